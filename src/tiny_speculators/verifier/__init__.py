@@ -1,0 +1,1 @@
+"""The frozen verifier: loading (HF ids, local folders, the embedded default) and hidden-state capture."""
