@@ -1,0 +1,94 @@
+"""Capture a verifier's EAGLE-3 hidden states with forward hooks on just the layers that are needed.
+
+``aux`` holds the INPUTS of the aux layers (``hidden_states[i]`` in Hugging Face's
+``output_hidden_states`` convention, and what vLLM's ``eagle_aux_hidden_state_layer_ids`` means),
+concatenated in the order given; ``last`` is the final decoder layer's output before the final norm,
+so ``lm_head(norm(last))`` equals the verifier's logits. Only the decoder runs (no lm_head, no KV cache),
+and only the requested layers' states are kept.
+
+    import torch
+    from tiny_speculators.verifier.load import load_verifier
+    from tiny_speculators.verifier.capture import capture_hidden_states, default_aux_layer_ids
+    model, _ = load_verifier("smollm2-135m", with_tokenizer=False)
+    ids = torch.tensor([[1, 2, 3]])
+    aux, last = capture_hidden_states(model, ids, torch.ones_like(ids), default_aux_layer_ids(30))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from tiny_speculators.errors import UserError
+from tiny_speculators.verifier.modules import VerifierParts, find_parts
+
+__all__ = ["capture_hidden_states", "check_layer_ids", "default_aux_layer_ids"]
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's default aux layers: the inputs of layers 2, N//2 and N-3."""
+    if num_layers < 4:
+        raise UserError(f"a verifier with {num_layers} layers is too shallow for the default EAGLE-3 aux layers "
+                        "[2, N//2, N-3]; give the layer ids explicitly")
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    """Validate aux layer ids (each the index of a layer whose INPUT is captured: 0 .. N-1)."""
+    ids = [int(i) for i in layer_ids]
+    if not ids:
+        raise UserError("at least one aux layer id is needed")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise UserError(f"aux layer id(s) {bad} out of range: the verifier has {num_layers} layers, so ids must be "
+                        f"in 0..{num_layers - 1} (id i = the input of layer i)")
+    if len(set(ids)) != len(ids):
+        raise UserError(f"aux layer ids {ids} contain duplicates")
+    return ids
+
+
+@torch.inference_mode()
+def capture_hidden_states(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    aux_layer_ids: Sequence[int],
+    parts: VerifierParts | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the verifier's decoder once and return ``(aux (B, T, n_aux*H), last (B, T, H))``.
+
+    Args:
+        model: the verifier (a causal LM, possibly wrapped); ignored when ``parts`` is given.
+        input_ids: (B, T) token ids, right-padded.
+        attention_mask: (B, T) 1 for real tokens, 0 for padding (or None: no padding).
+        aux_layer_ids: layers whose INPUT to capture, in output order.
+        parts: ``find_parts(model)``, to skip the module search on every call.
+    """
+    parts = parts or find_parts(model)
+    ids = check_layer_ids(aux_layer_ids, parts.num_hidden_layers)
+    captured: dict[int | str, torch.Tensor] = {}
+
+    def pre_hook(index: int):
+        def hook(module, args, kwargs):
+            captured[index] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+        return hook
+
+    def last_hook(module, args, output):
+        captured["last"] = output[0] if isinstance(output, (tuple, list)) else output
+
+    handles = [parts.layers[i].register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i in ids]
+    handles.append(parts.layers[-1].register_forward_hook(last_hook))
+    try:
+        parts.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [i for i in [*ids, "last"] if i not in captured]
+    if missing:
+        raise RuntimeError(f"the decoder {parts.decoder_name or type(parts.decoder).__name__} did not run "
+                           f"layer(s) {missing}")
+    aux = torch.cat([captured[i] for i in ids], dim=-1)  # (B, T, n_aux*H)
+    return aux, captured["last"]  # (B, T, H)
