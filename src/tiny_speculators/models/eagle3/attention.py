@@ -1,0 +1,117 @@
+"""Attention kernels and the training-time-test (TTT) attention masks for the EAGLE-3 draft.
+
+Two kernels compute the same thing:
+
+* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with an explicit boolean mask
+  ``[B, 1, T, S]`` (True = attend). Runs everywhere; the mask costs ``B*T*S`` bytes.
+* ``flex``: ``torch.nn.attention.flex_attention`` with a ``BlockMask`` built from a ``mask_mod``
+  (no dense mask; fast when compiled on GPU). On CPU it runs eagerly (slow reference path).
+
+TTT mask (step ``k`` of a ``steps``-step rollout; keys are laid out step-major: key index
+``i * T + j`` is step ``i``'s key at anchor position ``j``). A query of step ``k`` at anchor ``t``
+attends to
+
+* step-0 keys ``j <= t`` of the same document (causal, packed documents never see each other), and
+* the keys of steps ``1..k`` at the same anchor ``t`` only (the "diagonal": the tokens this
+  position itself drafted earlier in the rollout).
+
+This is exactly what the draft sees when vLLM serves it: the prefill wrote one key per context
+position, and each later draft step appended one key for the single position it extends.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:  # flex-attention is in torch >= 2.5; keep the sdpa path usable without it.
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+except ImportError:  # pragma: no cover - depends on the installed torch
+    BlockMask = None  # type: ignore[assignment,misc]
+    create_block_mask = flex_attention = None  # type: ignore[assignment]
+
+
+def flex_available() -> bool:
+    return flex_attention is not None
+
+
+def is_block_mask(mask) -> bool:
+    return BlockMask is not None and isinstance(mask, BlockMask)
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, *, scale: float, causal: bool = False
+) -> torch.Tensor:
+    """Attention of ``q [B, Hq, T, D]`` over ``k, v [B, Hkv, S, D]`` (GQA when Hkv < Hq).
+
+    ``mask``: a boolean tensor broadcastable to ``[B, Hq, T, S]`` (True = attend), a flex
+    ``BlockMask``, or None with ``causal`` (plain causal attention, requires T == S).
+    Returns ``[B, Hq, T, D]``.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if is_block_mask(mask):
+        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa:  # explicit repeat: every sdpa backend and torch version handles it
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal and q.shape[2] > 1, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# TTT masks
+# ----------------------------------------------------------------------------------------------
+
+
+def ttt_mask_dense(step: int, seq_len: int, document_ids: torch.Tensor | None = None, *, batch_size: int = 1,
+                   device=None) -> torch.Tensor:
+    """Boolean mask ``[B, 1, T, (step+1)*T]`` for the queries of TTT step ``step`` (True = attend).
+
+    ``document_ids``: optional ``[B, T]`` ints; a query only sees step-0 keys of its own document.
+    """
+    t = seq_len
+    if document_ids is not None:
+        device = document_ids.device
+        batch_size = document_ids.shape[0]
+    q = torch.arange(t, device=device)
+    causal = q[None, :] <= q[:, None]  # (T, T) key j <= query t
+    if document_ids is not None:
+        same_doc = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T, T)
+        step0 = causal[None] & same_doc
+    else:
+        step0 = causal[None].expand(batch_size, t, t)
+    blocks = [step0]
+    if step > 0:
+        eye = torch.eye(t, dtype=torch.bool, device=device)[None].expand(batch_size, t, t)
+        blocks.extend([eye] * step)
+    return torch.cat(blocks, dim=-1)[:, None]  # (B, 1, T, (step+1)T)
+
+
+def ttt_mask_mod(seq_len: int, document_ids: torch.Tensor | None = None):
+    """The flex ``mask_mod(b, h, q_idx, kv_idx)`` of the TTT mask (any step: keys laid out step-major)."""
+    t = seq_len
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        kv_step = kv_idx // t
+        kv_pos = kv_idx % t
+        causal = kv_pos <= q_idx
+        if document_ids is not None:
+            causal = causal & (document_ids[b, kv_pos] == document_ids[b, q_idx])
+        return ((kv_step == 0) & causal) | ((kv_step > 0) & (kv_pos == q_idx))
+
+    return mask_mod
+
+
+def ttt_block_mask(step: int, seq_len: int, document_ids: torch.Tensor | None = None, *, batch_size: int = 1,
+                   device=None, block_size: int = 128):
+    """A flex ``BlockMask`` equal to :func:`ttt_mask_dense` for TTT step ``step``."""
+    if not flex_available():
+        raise RuntimeError("flex-attention needs torch >= 2.5; use attention='sdpa'")
+    if document_ids is not None:
+        device = document_ids.device
+        batch_size = document_ids.shape[0]
+    b = batch_size if document_ids is not None else None
+    return create_block_mask(ttt_mask_mod(seq_len, document_ids), B=b, H=None, Q_LEN=seq_len,
+                             KV_LEN=(step + 1) * seq_len, device=device, BLOCK_SIZE=block_size)

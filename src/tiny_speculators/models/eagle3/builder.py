@@ -1,0 +1,130 @@
+"""Turn a verifier's config into the plain keyword arguments of :class:`Eagle3Draft`, and build one.
+
+    from transformers import AutoConfig
+    kwargs = draft_kwargs_from_verifier(AutoConfig.from_pretrained(path), draft_vocab_size=len(d2t))
+    draft = build_draft(kwargs, d2t, t2d, embed_weight=verifier.get_input_embeddings().weight)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from tiny_speculators.errors import UserError
+from tiny_speculators.models.eagle3.model import Eagle3Draft
+
+log = logging.getLogger(__name__)
+
+_OVERRIDABLE = {
+    "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_aux", "rms_norm_eps",
+    "rope_parameters", "max_position_embeddings", "attention_bias", "layer_type", "norm_before_residual",
+    "norm_before_fc", "fc_norm", "train_embeddings", "hidden_act",
+}
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def rope_parameters_of(cfg: Any) -> dict[str, Any]:
+    """The verifier's RoPE settings in the transformers v5 layout (``rope_type`` + ``rope_theta`` + extras)."""
+    params = _get(cfg, "rope_parameters")
+    if isinstance(params, Mapping) and "rope_theta" in params:
+        out = dict(params)
+    else:  # transformers v4 layout: rope_theta + rope_scaling
+        out = dict(_get(cfg, "rope_scaling") or {})
+        out["rope_theta"] = float(_get(cfg, "rope_theta", 10000.0))
+    out["rope_type"] = out.pop("type", None) or out.get("rope_type") or "default"
+    return out
+
+
+def draft_kwargs_from_verifier(verifier_config: Any, draft_vocab_size: int, **overrides: Any) -> dict[str, Any]:
+    """Keyword arguments for :class:`Eagle3Draft` from a verifier's HF config (object or dict).
+
+    Attention shape, MLP width, norm eps and RoPE follow the verifier (as vLLM does when it loads
+    a speculators checkpoint whose ``transformer_layer_config`` is the verifier's). ``overrides``
+    may change any of: ``intermediate_size, num_attention_heads, num_key_value_heads, head_dim, num_aux,
+    rms_norm_eps, rope_parameters, max_position_embeddings, attention_bias, layer_type,
+    norm_before_residual, norm_before_fc, fc_norm, train_embeddings, hidden_act``.
+    """
+    cfg = _get(verifier_config, "text_config") or verifier_config  # multimodal wrappers
+    unknown = set(overrides) - _OVERRIDABLE
+    if unknown:
+        raise UserError(f"unknown draft setting(s) {sorted(unknown)}; allowed: {sorted(_OVERRIDABLE)}")
+    hidden = int(_get(cfg, "hidden_size"))
+    heads = int(_get(cfg, "num_attention_heads"))
+    vocab = int(_get(cfg, "vocab_size"))
+    if not 0 < draft_vocab_size <= vocab:
+        raise UserError(f"draft_vocab_size {draft_vocab_size} must be in 1..{vocab} (the verifier's vocab size)")
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        target_hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=int(_get(cfg, "num_key_value_heads") or heads),
+        head_dim=int(_get(cfg, "head_dim") or hidden // heads),
+        intermediate_size=int(_get(cfg, "intermediate_size")),
+        draft_vocab_size=int(draft_vocab_size),
+        num_aux=3,
+        rms_norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
+        rope_parameters=rope_parameters_of(cfg),
+        max_position_embeddings=int(_get(cfg, "max_position_embeddings", 4096)),
+        attention_bias=bool(_get(cfg, "attention_bias", False)),
+        layer_type="llama",
+        norm_before_residual=False,
+        norm_before_fc=False,
+        fc_norm=False,
+        train_embeddings=False,
+        hidden_act=str(_get(cfg, "hidden_act", "silu")),
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> torch.Tensor:
+    """Validate ``d2t``/``t2d`` against each other; returns the draft->target id table (sorted target ids)."""
+    if d2t.shape != (draft_vocab_size,) or t2d.shape != (vocab_size,):
+        raise UserError(f"vocab maps have shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)}; the draft needs "
+                        f"({draft_vocab_size},) and ({vocab_size},)")
+    target_ids = torch.arange(draft_vocab_size) + d2t.long().cpu()
+    if not torch.equal(target_ids, torch.nonzero(t2d.cpu().bool()).flatten()):
+        raise UserError("d2t and t2d disagree: draft id i must map to the i-th selected target id")
+    return target_ids
+
+
+def build_draft(
+    kwargs: Mapping[str, Any],
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    embed_weight: torch.Tensor | None = None,
+    lm_head_weight: torch.Tensor | None = None,
+) -> Eagle3Draft:
+    """A fresh draft with vocab maps, the verifier's embeddings copied in (frozen unless
+    ``train_embeddings``), and optionally ``lm_head`` initialized from the verifier's lm_head rows
+    selected by ``t2d`` (``lm_head_weight`` is the verifier's full ``[vocab, H]`` matrix).
+
+    Randomly initialized weights depend on the caller's torch seed.
+    """
+    draft = Eagle3Draft(**kwargs)
+    target_ids = check_vocab_maps(d2t, t2d, draft.draft_vocab_size, draft.embed_tokens.num_embeddings)
+    with torch.no_grad():
+        draft.d2t.copy_(d2t.long())
+        draft.t2d.copy_(t2d.bool())
+        if embed_weight is not None:
+            if embed_weight.shape != draft.embed_tokens.weight.shape:
+                raise UserError(f"verifier embeddings have shape {tuple(embed_weight.shape)}, the draft needs "
+                                f"{tuple(draft.embed_tokens.weight.shape)}")
+            draft.embed_tokens.weight.copy_(embed_weight)
+        else:
+            log.warning("no verifier embeddings given: the draft's embed_tokens stay random")
+        if lm_head_weight is not None:
+            if lm_head_weight.shape != (draft.embed_tokens.num_embeddings, draft.hidden_size):
+                raise UserError(f"verifier lm_head has shape {tuple(lm_head_weight.shape)}, expected "
+                                f"({draft.embed_tokens.num_embeddings}, {draft.hidden_size})")
+            draft.lm_head.weight.copy_(lm_head_weight[target_ids.to(lm_head_weight.device)])
+    return draft

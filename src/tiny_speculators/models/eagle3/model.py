@@ -1,0 +1,349 @@
+"""The EAGLE-3 draft model: exactly the computation vLLM runs when it serves the draft.
+
+One decoder layer on top of the verifier's token embeddings and a fusion of verifier hidden
+states (equations as in vLLM's ``llama_eagle3.py``; names as in the speculators format)::
+
+    g      = fc(concat(aux_1, ..., aux_n))                       # fuse(): step 0 only,  (B, T, H)
+    e      = input_layernorm(embed_tokens(input_ids))            # (B, T, H)
+    hn     = hidden_norm(h);   r = hn if norm_before_residual else h
+    a      = o_proj(Attn(q/k/v_proj(concat(e, hn))))            # q/k/v take 2H, RoPE on q/k
+    r      = a + r;            x = post_attention_layernorm(r)
+    out    = mlp(x) + r                                          # PRE-norm output
+    logits = lm_head(norm(out))                                  # (B, T, draft_vocab)
+
+``h`` is ``fuse(aux)`` at the first draft step and ``out`` of the previous draft step afterwards:
+vLLM feeds the pre-norm sum back (its model returns ``(norm(out), out)`` and keeps the second).
+Draft id ``i`` is target id ``i + d2t[i]``.
+
+Quick check (tiny CPU draft)::
+
+    python -c "import torch; from tiny_speculators.models.eagle3.model import Eagle3Draft; \
+d = Eagle3Draft(vocab_size=100, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16, \
+intermediate_size=64, draft_vocab_size=50); ids = torch.randint(0, 100, (1, 5)); \
+print(d(ids, d.fuse(torch.randn(1, 5, 96)), torch.arange(5)[None]).logits.shape)"
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from tiny_speculators.errors import UserError
+from tiny_speculators.models.eagle3.attention import attend, is_block_mask
+
+
+@dataclass
+class Eagle3Output:
+    logits: torch.Tensor | None  # (B, T, draft_vocab); None when forward(..., logits=False)
+    hidden_states: torch.Tensor  # (B, T, H) pre-norm output, fed back as the next step's hidden state
+
+
+class KVCache:
+    """Keys/values of the draft's single attention layer, ``[B, n_kv, S, D]`` each (post-RoPE).
+
+    ``forward(..., cache=cache)`` appends the new keys/values; ``crop(n)`` drops everything after
+    the first ``n`` positions (rollback after rejected draft tokens).
+    """
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is None:
+            self.k, self.v = k, v
+        else:
+            self.k = torch.cat([self.k, k], dim=2)
+            self.v = torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def crop(self, length: int) -> None:
+        if length < 0 or length > self.length:
+            raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
+        if self.k is not None:
+            self.k = self.k[:, :, :length]
+            self.v = self.v[:, :, :length]
+
+    def reset(self) -> None:
+        self.k = self.v = None
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back before the weight (Llama / vLLM convention)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Rotary(nn.Module):
+    """Neox-style RoPE (rotate-half) with the verifier's ``rope_parameters`` (HF v5 layout)."""
+
+    def __init__(self, head_dim: int, rope_parameters: dict[str, Any], max_position_embeddings: int) -> None:
+        super().__init__()
+        params = dict(rope_parameters)
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        theta = float(params.get("rope_theta", 10000.0))
+        if rope_type == "default":
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            scaling = 1.0
+        elif rope_type in ("linear", "llama3", "yarn"):
+            from transformers import PretrainedConfig
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            # A throwaway config object: only the rope init function sees it, the module keeps tensors.
+            cfg = PretrainedConfig()
+            cfg.rope_parameters = {**params, "rope_type": rope_type, "rope_theta": theta}
+            cfg.head_dim = head_dim
+            cfg.max_position_embeddings = max_position_embeddings
+            cfg.partial_rotary_factor = 1.0
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+        else:
+            raise UserError(f"rope_type {rope_type!r} is not supported by the EAGLE-3 draft "
+                            "(supported: default, linear, llama3, yarn)")
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.attention_scaling = float(scaling)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq  # (B, T, D/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, D)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [B, heads, T, D]``, ``cos/sin [B, T, D]``."""
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
+                 qk_norm: bool, eps: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(2 * hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(2 * hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(2 * hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        if qk_norm:  # Qwen3: RMSNorm over each head's dim, before RoPE
+            self.q_norm = RMSNorm(head_dim, eps)
+            self.k_norm = RMSNorm(head_dim, eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, attention_mask, cache: KVCache | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, Hq, T, D)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, D)
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k, v = cache.append(k, v)  # (B, Hkv, S, D), S = past + T
+        mask = attention_mask
+        if mask is None and past > 0:  # causal over cached + new keys
+            s = k.shape[2]
+            mask = torch.arange(s, device=x.device)[None, :] <= (past + torch.arange(t, device=x.device))[:, None]
+        if mask is not None and not is_block_mask(mask) and mask.shape[-1] != k.shape[2]:
+            raise ValueError(f"attention_mask covers {mask.shape[-1]} keys, but there are {k.shape[2]}")
+        out = attend(q, k, v, mask, scale=1.0 / math.sqrt(self.head_dim), causal=mask is None)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, *, hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
+                 rms_norm_eps, attention_bias, layer_type, norm_before_residual) -> None:
+        super().__init__()
+        self.norm_before_residual = norm_before_residual
+        self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.hidden_norm = RMSNorm(hidden_size, rms_norm_eps)
+        self.self_attn = Attention(hidden_size, num_attention_heads, num_key_value_heads, head_dim,
+                                   attention_bias, layer_type == "qwen3", rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.mlp = MLP(hidden_size, intermediate_size)
+
+    def forward(self, embeds, hidden, cos, sin, attention_mask, cache) -> torch.Tensor:
+        e = self.input_layernorm(embeds)  # (B, T, H)
+        hn = self.hidden_norm(hidden)  # (B, T, H)
+        residual = hn if self.norm_before_residual else hidden
+        a = self.self_attn(torch.cat([e, hn], dim=-1), cos, sin, attention_mask, cache)  # (B, T, H)
+        residual = a + residual
+        return self.mlp(self.post_attention_layernorm(residual)) + residual  # pre-norm output
+
+
+class Eagle3Draft(nn.Module):
+    """EAGLE-3 draft (one decoder layer), built from plain keyword arguments.
+
+    Args:
+        vocab_size: verifier (target) vocabulary size; size of ``embed_tokens`` and ``t2d``.
+        hidden_size: draft hidden size H (= the verifier's, since embeddings are shared).
+        num_attention_heads, num_key_value_heads, head_dim: attention shape (GQA allowed).
+        intermediate_size: MLP width.
+        draft_vocab_size: rows of ``lm_head``.
+        target_hidden_size: verifier hidden size Ht (default H); ``fc`` takes ``num_aux * Ht``.
+        num_aux: number of verifier layers whose states are fused (3 in EAGLE-3).
+        rms_norm_eps, rope_parameters, max_position_embeddings: as in the verifier's config.
+        attention_bias: biases on q/k/v (vLLM's ``attention_bias``).
+        layer_type: "llama" (default) or "qwen3" (adds per-head ``q_norm``/``k_norm``).
+        norm_before_residual: residual is ``hidden_norm(h)`` instead of ``h`` (vLLM flag).
+        norm_before_fc: one RMSNorm (``input_norm``) over the whole ``num_aux * Ht`` input of ``fc``.
+        fc_norm: one RMSNorm per aux chunk (``fc_norm.{i}``) before ``fc`` (EAGLE 3.1).
+        train_embeddings: leave ``embed_tokens`` trainable (frozen by default).
+        hidden_act: only "silu" (gated SiLU MLP) is supported.
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        hidden_size: int,
+        num_attention_heads: int,
+        num_key_value_heads: int,
+        head_dim: int,
+        intermediate_size: int,
+        draft_vocab_size: int,
+        target_hidden_size: int | None = None,
+        num_aux: int = 3,
+        rms_norm_eps: float = 1e-6,
+        rope_parameters: dict[str, Any] | None = None,
+        max_position_embeddings: int = 4096,
+        attention_bias: bool = False,
+        layer_type: Literal["llama", "qwen3"] = "llama",
+        norm_before_residual: bool = False,
+        norm_before_fc: bool = False,
+        fc_norm: bool = False,
+        train_embeddings: bool = False,
+        hidden_act: str = "silu",
+    ) -> None:
+        super().__init__()
+        if layer_type not in ("llama", "qwen3"):
+            raise UserError(f"layer_type must be 'llama' or 'qwen3', got {layer_type!r}")
+        if hidden_act != "silu":
+            raise UserError(f"the EAGLE-3 draft supports hidden_act 'silu' only, got {hidden_act!r}")
+        if num_attention_heads % num_key_value_heads:
+            raise UserError(f"num_attention_heads {num_attention_heads} is not a multiple of "
+                            f"num_key_value_heads {num_key_value_heads}")
+        rope_parameters = dict(rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
+        target_hidden_size = target_hidden_size or hidden_size
+        self.kwargs = dict(  # exactly what save_draft writes and load_draft rebuilds from
+            vocab_size=vocab_size, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads, head_dim=head_dim, intermediate_size=intermediate_size,
+            draft_vocab_size=draft_vocab_size, target_hidden_size=target_hidden_size, num_aux=num_aux,
+            rms_norm_eps=rms_norm_eps, rope_parameters=rope_parameters,
+            max_position_embeddings=max_position_embeddings, attention_bias=attention_bias, layer_type=layer_type,
+            norm_before_residual=norm_before_residual, norm_before_fc=norm_before_fc, fc_norm=fc_norm,
+            train_embeddings=train_embeddings, hidden_act=hidden_act,
+        )
+        self.hidden_size, self.draft_vocab_size, self.num_aux = hidden_size, draft_vocab_size, num_aux
+        self.target_hidden_size = target_hidden_size
+
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.embed_tokens.weight.requires_grad_(train_embeddings)
+        self.input_norm = RMSNorm(num_aux * target_hidden_size, rms_norm_eps) if norm_before_fc else None
+        self.fc_norm = (nn.ModuleList([RMSNorm(target_hidden_size, rms_norm_eps) for _ in range(num_aux)])
+                        if fc_norm else None)
+        self.fc = nn.Linear(num_aux * target_hidden_size, hidden_size, bias=False)
+        self.layers = nn.ModuleList([DecoderLayer(
+            hidden_size=hidden_size, intermediate_size=intermediate_size, num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads, head_dim=head_dim, rms_norm_eps=rms_norm_eps,
+            attention_bias=attention_bias, layer_type=layer_type, norm_before_residual=norm_before_residual,
+        )])
+        self.norm = RMSNorm(hidden_size, rms_norm_eps)
+        self.lm_head = nn.Linear(hidden_size, draft_vocab_size, bias=False)
+        self.rotary = Rotary(head_dim, rope_parameters, max_position_embeddings)
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(vocab_size, dtype=torch.bool)
+        t2d[:draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Normal(0, std) for linear and embedding weights, zeros for biases, ones for norms."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0.0, std)
+                if m.bias is not None:
+                    m.bias.zero_()
+            elif isinstance(m, nn.Embedding):
+                m.weight.normal_(0.0, std)
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+
+    def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[B, T, num_aux*Ht]`` verifier states -> ``[B, T, H]`` (optional input_norm / fc_norm, then fc)."""
+        x = aux_hidden_states.to(self.fc.weight.dtype)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        if self.fc_norm is not None:
+            x = torch.cat([n(c) for n, c in zip(self.fc_norm, x.chunk(self.num_aux, dim=-1), strict=True)], dim=-1)
+        return self.fc(x)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Pre-norm output ``[..., H]`` -> draft-vocab logits ``[..., draft_vocab]``."""
+        return self.lm_head(self.norm(hidden_states))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask=None,
+        cache: KVCache | None = None,
+        *,
+        logits: bool = True,
+    ) -> Eagle3Output:
+        """One draft step over ``T`` new positions.
+
+        Args:
+            input_ids: ``[B, T]`` target-vocab token ids.
+            hidden_states: ``[B, T, H]``: ``fuse(aux)`` or the previous step's pre-norm output.
+            position_ids: ``[B, T]`` RoPE positions.
+            attention_mask: bool ``[B, 1, T, S]`` (True = attend) over all ``S`` keys (cached + new), a
+                flex ``BlockMask``, or None for causal attention (after any cached keys).
+            cache: a :class:`KVCache`; the new keys/values are appended to it.
+            logits: compute ``lm_head(norm(.))``; False returns only the pre-norm output (the TTT loss
+                computes logits itself, in chunks).
+        """
+        embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)  # (B, T, H)
+        cos, sin = self.rotary(position_ids, hidden_states.dtype)
+        out = self.layers[0](embeds, hidden_states, cos, sin, attention_mask, cache)  # (B, T, H)
+        return Eagle3Output(logits=self.compute_logits(out) if logits else None, hidden_states=out)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab ids -> target-vocab ids (``i + d2t[i]``)."""
+        return draft_ids + self.d2t[draft_ids]
