@@ -1,0 +1,260 @@
+"""Training-time test (TTT): a K-step EAGLE-3 rollout with its loss and metrics.
+
+Data layout (what ``HiddenStateReader`` yields, batched): all tensors are aligned with the tokens,
+``input_ids[b, t] = x_t``; ``aux_hidden_states[b, t]`` and ``last_hidden_state[b, t]`` are the
+verifier's states after reading ``x_0..x_t`` (so ``target_head(last[b, t])`` are the verifier's
+logits for ``x_{t+1}``); ``loss_mask[b, t] = 1`` when token ``x_t`` is one the draft should learn
+to predict (assistant tokens). ``ttt_step`` does all shifting itself.
+
+Rollout. Rows are indexed by the *anchor* ``t`` (the context position the draft extends, as vLLM
+does after the verifier has read ``x_0..x_t``):
+
+* step 0, anchor ``t``: token ``x_{t+1}``, hidden ``fuse(aux[t])``, RoPE position ``pos[t]``;
+* step k, anchor ``t``: token ``x_{t+k+1}`` (ground truth, shifted one more per step), hidden = the
+  draft's own pre-norm output of step ``k-1`` at anchor ``t``, position ``pos[t] + k``;
+* step k at anchor ``t`` predicts ``x_{t+k+2}``; its target is the verifier's distribution at
+  ``t+k+1``; it counts iff ``t+k+2 < T``, ``loss_mask[t+k+2] == 1`` and ``x_{t+k+2}`` is in the same
+  document as ``x_t`` (packed sequences).
+* attention at step k (see ``attention.py``): causal over step-0 keys of the same document, plus the
+  keys of steps 1..k at the same anchor — what the draft sees in vLLM's chain drafting.
+
+Loss: per step, forward KL(p || q) with ``p = softmax(verifier logits restricted to the draft vocab,
+i.e. columns i + d2t[i])`` and ``q = softmax(draft logits)``, summed over valid anchors:
+``loss_sums[k]``. ``loss = sum_k decay**k * loss_sums[k] / max(counts[k], 1)``. For exact gradient
+accumulation over micro-batches / ranks, pass ``loss_normalizer`` = the global per-step counts (the
+all-reduced ``counts`` of the whole optimizer step): then ``loss = sum_k decay**k * loss_sums[k] /
+loss_normalizer[k]`` and the micro-batch losses sum to the full-batch loss.
+Memory: verifier logits are computed from ``last_hidden_state`` through ``target_head`` in chunks of
+``chunk_size`` rows (each chunk once, shared by all K steps, only its draft-vocab columns and
+full-vocab argmax kept), and each (chunk, step) draft-logit block is recomputed in backward
+(``torch.utils.checkpoint``), so no ``[K, N, V]`` tensor ever exists.
+
+Metrics (detached sums, so they aggregate exactly across batches and ranks: sum them, then call
+:func:`summarize_metrics`), all ``[K]`` tensors:
+
+* ``loss_sum``, ``count``: KL sum and number of valid anchors per step;
+* ``correct``: valid anchors where ``to_target_ids(argmax draft logits) == argmax`` of the verifier's
+  logits over the FULL target vocab (a verifier argmax outside the draft vocab is always wrong);
+* ``cond_correct``, ``cond_count``: the same among anchors where all steps ``j < k`` were valid and
+  correct (conditional accuracy, ``cond_count[0] == count[0]``).
+
+Expected acceptance length (teacher-forced estimate for chain drafting with greedy verification;
+the verifier's bonus token counts): ``1 + sum_k prod_{j<=k} cond_acc_j`` with
+``cond_acc_j = cond_correct_j / cond_count_j``; equal to one plus the mean run of leading correct
+steps when every anchor has all K steps valid.
+
+API::
+
+    out = ttt_step(draft, input_ids=ids, aux_hidden_states=aux, last_hidden_state=last, loss_mask=mask,
+                   target_head=lambda h: verifier.lm_head(verifier.model.norm(h)), steps=3, decay=0.8)
+    out.loss.backward();  summarize_metrics(out.metrics)  # {"loss", "loss_0", "acc_0", "cond_acc_0", ...}
+
+    ttt_step(draft, *, input_ids [B,T], aux_hidden_states [B,T,n_aux*Ht], loss_mask [B,T],
+             last_hidden_state [B,T,Ht] | None = None, target_logits [B,T,V] | None = None,
+             target_head: Callable[[Tensor [N,Ht]], Tensor [N,V]] | None = None,
+             position_ids [B,T] | None = None (per-document positions from document_ids, else arange),
+             document_ids [B,T] | None = None, steps: int = 3, decay: float = 1.0,
+             attention: "sdpa" | "flex" = "sdpa", chunk_size: int = 1024, checkpoint: bool = True,
+             loss_normalizer [K] | None = None) -> TTTOutput(loss, loss_sums [K], metrics)
+
+Give either ``last_hidden_state`` + ``target_head`` or precomputed ``target_logits``. Right padding
+is fine (give padded positions loss_mask 0); left padding is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint as grad_checkpoint
+
+from tiny_speculators.models.eagle3.attention import ttt_block_mask, ttt_mask_dense
+from tiny_speculators.models.eagle3.model import Eagle3Draft, KVCache
+
+METRIC_KEYS = ("loss_sum", "count", "correct", "cond_correct", "cond_count")
+
+
+@dataclass
+class TTTOutput:
+    loss: torch.Tensor  # scalar, differentiable
+    loss_sums: torch.Tensor  # [K] differentiable per-step KL sums over valid anchors
+    metrics: dict[str, torch.Tensor]  # detached [K] sums, keys METRIC_KEYS
+
+
+def positions_from_documents(document_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` document ids -> positions restarting at 0 at each document start."""
+    b, t = document_ids.shape
+    idx = torch.arange(t, device=document_ids.device).expand(b, t)
+    start = torch.ones_like(document_ids, dtype=torch.bool)
+    start[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - first
+
+
+def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """``out[:, t] = x[:, t + n]``; the last ``n`` columns are ``fill``."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def valid_anchors(loss_mask: torch.Tensor, document_ids: torch.Tensor | None, steps: int) -> torch.Tensor:
+    """``[K, B, T]`` bool: step k at anchor t has a target (see module docstring)."""
+    out = []
+    for k in range(steps):
+        ok = shift_left(loss_mask.bool(), k + 2, fill=False)
+        if document_ids is not None:
+            ok = ok & (shift_left(document_ids, k + 2, fill=-1) == document_ids)
+        out.append(ok)
+    return torch.stack(out)
+
+
+def rollout(draft: Eagle3Draft, input_ids, aux_hidden_states, position_ids, document_ids=None, *, steps: int,
+            attention: Literal["sdpa", "flex"] = "sdpa") -> list[torch.Tensor]:
+    """Run the K TTT steps; returns the K pre-norm outputs ``[B, T, H]`` (indexed by anchor)."""
+    b, t = input_ids.shape
+    cache = KVCache()
+    hidden = draft.fuse(aux_hidden_states)  # (B, T, H)
+    outs = []
+    for k in range(steps):
+        if attention == "flex":
+            mask = ttt_block_mask(k, t, document_ids, batch_size=b, device=input_ids.device)
+        elif attention == "sdpa":
+            mask = ttt_mask_dense(k, t, document_ids, batch_size=b, device=input_ids.device)
+        else:
+            raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}")
+        ids_k = shift_left(input_ids, k + 1)  # x_{t+k+1}
+        out = draft(ids_k, hidden, position_ids + k, attention_mask=mask, cache=cache, logits=False)
+        hidden = out.hidden_states
+        outs.append(hidden)
+    return outs
+
+
+def _chunk_kl(draft: Eagle3Draft, hidden: torch.Tensor, target_logp: torch.Tensor):
+    """KL(p || q) summed over rows, and the draft argmax; hidden [n, H], target_logp [n, Vd] (fp32)."""
+    logq = F.log_softmax(draft.compute_logits(hidden).float(), dim=-1)  # (n, Vd)
+    p = target_logp.exp()
+    kl = torch.where(p > 0, p * (target_logp - logq), torch.zeros_like(logq)).sum()
+    return kl, logq.argmax(dim=-1)
+
+
+def ttt_step(
+    draft: Eagle3Draft,
+    *,
+    input_ids: torch.Tensor,
+    aux_hidden_states: torch.Tensor,
+    loss_mask: torch.Tensor,
+    last_hidden_state: torch.Tensor | None = None,
+    target_logits: torch.Tensor | None = None,
+    target_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    position_ids: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+    steps: int = 3,
+    decay: float = 1.0,
+    attention: Literal["sdpa", "flex"] = "sdpa",
+    chunk_size: int = 1024,
+    checkpoint: bool = True,
+    loss_normalizer: torch.Tensor | None = None,
+) -> TTTOutput:
+    """Roll the draft out ``steps`` times and compute the decayed KL loss and metric sums (module docstring)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if (target_logits is None) == (last_hidden_state is None or target_head is None):
+        raise ValueError("give either target_logits, or last_hidden_state and target_head")
+    b, t = input_ids.shape
+    device = input_ids.device
+    if position_ids is None:
+        position_ids = (positions_from_documents(document_ids) if document_ids is not None
+                        else torch.arange(t, device=device).expand(b, t))
+    outs = rollout(draft, input_ids, aux_hidden_states, position_ids, document_ids, steps=steps,
+                   attention=attention)
+    valid = valid_anchors(loss_mask, document_ids, steps).reshape(steps, b * t)  # (K, N) by anchor
+    flat_h = [o.reshape(b * t, -1) for o in outs]  # K x (N, H)
+    source = (target_logits if target_logits is not None else last_hidden_state).reshape(b * t, -1)
+    draft_cols = torch.arange(draft.draft_vocab_size, device=device) + draft.d2t  # target id per draft id
+
+    loss_sums = [torch.zeros((), device=device) for _ in range(steps)]
+    correct = torch.zeros(steps, b * t, dtype=torch.bool, device=device)  # by anchor
+    # a target row r serves step k at anchor r - k - 1; chunks walk target rows so each is computed once
+    for start in range(0, b * t, chunk_size):
+        stop = min(start + chunk_size, b * t)
+        rows = torch.arange(start, stop, device=device)
+        users = []
+        for k in range(steps):
+            anchors = rows - k - 1
+            keep = anchors >= 0
+            keep[keep.clone()] = valid[k, anchors[keep]]
+            users.append(keep)
+        if not any(u.any() for u in users):
+            continue
+        with torch.no_grad():
+            chunk = source[start:stop]
+            logits = (chunk if target_logits is not None else target_head(chunk)).float()  # (c, V)
+            target_argmax = logits.argmax(dim=-1)  # over the full target vocab
+            target_logp = F.log_softmax(logits[:, draft_cols], dim=-1)  # (c, Vd)
+            del logits
+        for k in range(steps):
+            keep = users[k]
+            if not keep.any():
+                continue
+            anchors = rows[keep] - k - 1
+            h = flat_h[k][anchors]  # (n, H)
+            tlp = target_logp[keep]
+            if checkpoint and torch.is_grad_enabled():
+                kl, pred = grad_checkpoint(_chunk_kl, draft, h, tlp, use_reentrant=False)
+            else:
+                kl, pred = _chunk_kl(draft, h, tlp)
+            loss_sums[k] = loss_sums[k] + kl
+            correct[k, anchors] = draft.to_target_ids(pred) == target_argmax[keep]
+
+    loss_sums_t = torch.stack(loss_sums)  # (K,)
+    counts = valid.sum(dim=1)  # (K,)
+    weights = decay ** torch.arange(steps, device=device, dtype=torch.float32)
+    denom = loss_normalizer.to(device).float() if loss_normalizer is not None else counts.clamp(min=1).float()
+    loss = (weights * loss_sums_t / denom.clamp(min=1e-12)).sum()
+
+    chain = torch.ones(b * t, dtype=torch.bool, device=device)  # all previous steps valid and correct
+    cond_correct, cond_count = [], []
+    for k in range(steps):
+        base = chain & valid[k]
+        cond_count.append(base.sum())
+        cond_correct.append((base & correct[k]).sum())
+        chain = base & correct[k]
+    metrics = {
+        "loss_sum": loss_sums_t.detach().clone(),
+        "count": counts,
+        "correct": correct.sum(dim=1),
+        "cond_correct": torch.stack(cond_correct),
+        "cond_count": torch.stack(cond_count),
+    }
+    return TTTOutput(loss=loss, loss_sums=loss_sums_t, metrics=metrics)
+
+
+def summarize_metrics(metrics: dict[str, torch.Tensor], decay: float = 1.0) -> dict[str, float]:
+    """Summed metric tensors (from one or many ``ttt_step`` calls) -> floats for logging.
+
+    Keys: ``loss`` (``sum_k decay**k * loss_k``), and per step k: ``loss_k``, ``acc_k``, ``cond_acc_k``;
+    ``acceptance_length`` (``1 + sum_k prod_{j<=k} cond_acc_j``); ``tokens`` (valid step-0 anchors).
+    """
+    m = {k: metrics[k].detach().double().cpu() for k in METRIC_KEYS}
+    steps = m["count"].numel()
+    out: dict[str, float] = {}
+    loss, run, accept = 0.0, 1.0, 1.0
+    for k in range(steps):
+        count = float(m["count"][k])
+        loss_k = float(m["loss_sum"][k]) / count if count else 0.0
+        acc_k = float(m["correct"][k]) / count if count else 0.0
+        cond_n = float(m["cond_count"][k])
+        cond_k = float(m["cond_correct"][k]) / cond_n if cond_n else 0.0
+        out[f"loss_{k}"], out[f"acc_{k}"], out[f"cond_acc_{k}"] = loss_k, acc_k, cond_k
+        loss += decay**k * loss_k
+        run *= cond_k
+        accept += run
+    out["loss"] = loss
+    out["acceptance_length"] = accept
+    out["tokens"] = float(m["count"][0]) if steps else 0.0
+    return out
