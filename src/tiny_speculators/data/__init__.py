@@ -1,0 +1,6 @@
+"""Chat data: rendering with the verifier's template, assistant loss masks, readers, draft vocabulary.
+
+Stages: :func:`tiny_speculators.data.prepare.prepare` and :func:`tiny_speculators.data.vocab.vocab`;
+readers for later stages: :func:`tiny_speculators.data.prepared.load_prepared` and
+:func:`tiny_speculators.data.vocab.load_vocab`.
+"""
