@@ -1,0 +1,51 @@
+"""Adapter between the loop and ``models.eagle3.ttt``: one ``nn.Module`` whose forward is a whole TTT rollout.
+
+DDP and FSDP2 hook a module's ``forward``; ``ttt_step`` calls ``draft.fuse``, ``draft(...)`` K times and
+``draft.compute_logits`` per chunk (also during backward recomputation), so the wrapper must be around all
+of it: :class:`TTTModule` is what gets wrapped. The target head is kept outside the module tree (frozen,
+never synchronized or sharded).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiny_speculators.models.eagle3.ttt import METRIC_KEYS, TTTOutput, summarize_metrics, ttt_step, valid_anchors
+
+STAT_KEYS = METRIC_KEYS
+
+
+class TTTModule(nn.Module):
+    """``forward(batch, loss_normalizer) -> TTTOutput`` for ``draft`` (the only registered submodule)."""
+
+    def __init__(self, draft: nn.Module, target_head: nn.Module, steps: int, decay: float, attention: str,
+                 chunk_size: int = 1024) -> None:
+        super().__init__()
+        self.draft = draft
+        self._head = (target_head,)  # a tuple hides it from parameters()/state_dict()/DDP broadcast
+        self.steps, self.decay, self.attention, self.chunk_size = steps, decay, attention, chunk_size
+
+    def forward(self, batch: dict[str, Any], loss_normalizer: torch.Tensor | None = None) -> TTTOutput:
+        return ttt_step(
+            self.draft, input_ids=batch["input_ids"], aux_hidden_states=batch["aux_hidden_states"],
+            loss_mask=batch["loss_mask"], last_hidden_state=batch["last_hidden_state"], target_head=self._head[0],
+            position_ids=batch["position_ids"], document_ids=batch.get("document_ids"), steps=self.steps,
+            decay=self.decay, attention=self.attention, chunk_size=self.chunk_size, loss_normalizer=loss_normalizer,
+        )
+
+
+def step_counts(batch: dict[str, Any], steps: int) -> torch.Tensor:
+    """``[K]`` number of anchors with a target at each TTT step (the loss normalizer's local part)."""
+    return valid_anchors(batch["loss_mask"], batch.get("document_ids"), steps).sum(dim=(1, 2))
+
+
+def summarize(stats: dict[str, torch.Tensor], decay: float) -> dict[str, Any]:
+    """Reduced sums -> ``loss``, per-step lists ``loss_steps``, ``acc``, ``cond_acc``, and ``accept_len``."""
+    flat = summarize_metrics(stats, decay)
+    k = stats["count"].numel()
+    return {"loss": flat["loss"], "loss_steps": [flat[f"loss_{i}"] for i in range(k)],
+            "acc": [flat[f"acc_{i}"] for i in range(k)], "cond_acc": [flat[f"cond_acc_{i}"] for i in range(k)],
+            "accept_len": flat["acceptance_length"], "positions": flat["tokens"]}

@@ -1,0 +1,105 @@
+"""Where a micro-batch's hidden states come from: extract's shards (offline) or the verifier itself (online).
+
+Both sources give the trainer the same batch: ``input_ids``, ``loss_mask``, ``attention_mask``,
+``position_ids`` (+ ``document_ids`` when packed), ``aux_hidden_states [B, T, n_aux*Ht]`` and
+``last_hidden_state [B, T, Ht]`` (pre-norm; the target head turns it into verifier logits), so the
+model, loss and metrics cannot tell them apart.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiny_speculators.errors import UserError
+from tiny_speculators.train.data import collate
+
+log = logging.getLogger(__name__)
+
+
+class OfflineSource:
+    """Samples from ``extract``'s shards (checksums verified when the reader opens them)."""
+
+    def __init__(self, hidden_states: Path, verify: bool = True) -> None:
+        from tiny_speculators.storage.reader import HiddenStateReader
+
+        self.reader = HiddenStateReader(hidden_states, verify=verify)
+        self.manifest: dict[str, Any] = self.reader.manifest
+        if len(self.reader) == 0:
+            raise UserError(f"hidden-state folder {hidden_states} holds no samples")
+        self._lengths = [int(n) for n in self.reader.lengths()]  # from the shards' offset tensors only
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        return list(self.manifest["aux_layer_ids"])
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def lengths(self) -> list[int]:
+        return self._lengths
+
+    def batch(self, indices: list[int], device: torch.device, pack: bool) -> dict[str, Any]:
+        samples = []
+        for i in indices:
+            s = self.reader[i]
+            if "last_hidden_state" not in s:
+                raise UserError(f"{self.reader.__class__.__name__} sample {i} has no last_hidden_state (top-k "
+                                "layouts are not supported by train yet); extract with --layout full or fp8")
+            samples.append({k: s[k] for k in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")})
+        return to_device(collate(samples, pack=pack), device)
+
+
+class OnlineSource:
+    """Token ids from a prepared dataset; the verifier (in this process) computes aux/last per micro-batch."""
+
+    def __init__(self, prepared: Path, verifier: nn.Module, aux_layer_ids: list[int], max_length: int | None) -> None:
+        self.dataset = _load_prepared_dataset(prepared)
+        self.verifier = verifier
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.max_length = max_length
+        if len(self.dataset) == 0:
+            raise UserError(f"prepared dataset {prepared} holds no samples")
+        self._lengths = [min(len(x), max_length or len(x)) for x in self.dataset["input_ids"]]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def lengths(self) -> list[int]:
+        return self._lengths
+
+    def batch(self, indices: list[int], device: torch.device, pack: bool) -> dict[str, Any]:
+        from tiny_speculators.verifier.capture import capture_hidden_states
+
+        rows = self.dataset[list(indices)]
+        samples = [{"input_ids": torch.tensor(ids[:self.max_length] if self.max_length else ids),
+                    "loss_mask": torch.tensor(m[:self.max_length] if self.max_length else m)}
+                   for ids, m in zip(rows["input_ids"], rows["loss_mask"], strict=True)]
+        batch = to_device(collate(samples, pack=pack), device)
+        if pack:  # the verifier sees each document separately: run it on the padded form, then pack the states
+            padded = to_device(collate(samples, pack=False), device)
+            aux, last = capture_hidden_states(self.verifier, padded["input_ids"], padded["attention_mask"],
+                                              self.aux_layer_ids)
+            keep = padded["attention_mask"].bool()
+            batch["aux_hidden_states"] = aux[keep][None].clone()
+            batch["last_hidden_state"] = last[keep][None].clone()
+        else:
+            aux, last = capture_hidden_states(self.verifier, batch["input_ids"], batch["attention_mask"],
+                                              self.aux_layer_ids)
+            # clone outside inference mode: inference tensors cannot be saved for backward
+            batch["aux_hidden_states"], batch["last_hidden_state"] = aux.clone(), last.clone()
+        return batch
+
+
+def _load_prepared_dataset(prepared: Path):
+    from tiny_speculators.data.prepared import load_prepared
+
+    return load_prepared(prepared).dataset
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
