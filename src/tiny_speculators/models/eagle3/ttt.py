@@ -54,9 +54,10 @@ API::
              target_head: Callable[[Tensor [N,Ht]], Tensor [N,V]] | None = None,
              position_ids [B,T] | None = None (per-document positions from document_ids, else arange),
              document_ids [B,T] | None = None, steps: int = 3, decay: float = 1.0,
-             attention: "sdpa" | "flex" = "sdpa", chunk_size: int = 1024, checkpoint: bool = True,
+             attention: "sdpa" | "flex" | "auto" = "sdpa", chunk_size: int = 1024, checkpoint: bool = True,
              loss_normalizer [K] | None = None) -> TTTOutput(loss, loss_sums [K], metrics)
 
+``attention="auto"`` picks flex on CUDA and sdpa elsewhere (torch has no flex backward on CPU).
 Give either ``last_hidden_state`` + ``target_head`` or precomputed ``target_logits``. Right padding
 is fine (give padded positions loss_mask 0); left padding is not.
 """
@@ -71,7 +72,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as grad_checkpoint
 
-from tiny_speculators.models.eagle3.attention import ttt_block_mask, ttt_mask_dense
+from tiny_speculators.models.eagle3.attention import flex_available, ttt_block_mask, ttt_mask_dense
 from tiny_speculators.models.eagle3.model import Eagle3Draft, KVCache
 
 METRIC_KEYS = ("loss_sum", "count", "correct", "cond_correct", "cond_count")
@@ -113,20 +114,33 @@ def valid_anchors(loss_mask: torch.Tensor, document_ids: torch.Tensor | None, st
     return torch.stack(out)
 
 
+def resolve_attention(attention: str, device: torch.device) -> str:
+    """``auto`` -> ``flex`` on CUDA (when torch has it), ``sdpa`` elsewhere; checks flex can train here."""
+    if attention == "auto":
+        return "flex" if device.type == "cuda" and flex_available() else "sdpa"
+    if attention not in ("sdpa", "flex"):
+        raise ValueError(f"attention must be 'sdpa', 'flex' or 'auto', got {attention!r}")
+    if attention == "flex":
+        if not flex_available():
+            raise ValueError("attention='flex' needs torch.nn.attention.flex_attention (torch >= 2.5)")
+        if device.type == "cpu" and torch.is_grad_enabled():
+            raise ValueError("torch's flex-attention has no backward on CPU; train with attention='sdpa'")
+    return attention
+
+
 def rollout(draft: Eagle3Draft, input_ids, aux_hidden_states, position_ids, document_ids=None, *, steps: int,
-            attention: Literal["sdpa", "flex"] = "sdpa") -> list[torch.Tensor]:
+            attention: Literal["sdpa", "flex", "auto"] = "sdpa") -> list[torch.Tensor]:
     """Run the K TTT steps; returns the K pre-norm outputs ``[B, T, H]`` (indexed by anchor)."""
     b, t = input_ids.shape
+    attention = resolve_attention(attention, input_ids.device)
     cache = KVCache()
     hidden = draft.fuse(aux_hidden_states)  # (B, T, H)
     outs = []
     for k in range(steps):
         if attention == "flex":
             mask = ttt_block_mask(k, t, document_ids, batch_size=b, device=input_ids.device)
-        elif attention == "sdpa":
-            mask = ttt_mask_dense(k, t, document_ids, batch_size=b, device=input_ids.device)
         else:
-            raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}")
+            mask = ttt_mask_dense(k, t, document_ids, batch_size=b, device=input_ids.device)
         ids_k = shift_left(input_ids, k + 1)  # x_{t+k+1}
         out = draft(ids_k, hidden, position_ids + k, attention_mask=mask, cache=cache, logits=False)
         hidden = out.hidden_states
@@ -155,7 +169,7 @@ def ttt_step(
     document_ids: torch.Tensor | None = None,
     steps: int = 3,
     decay: float = 1.0,
-    attention: Literal["sdpa", "flex"] = "sdpa",
+    attention: Literal["sdpa", "flex", "auto"] = "sdpa",
     chunk_size: int = 1024,
     checkpoint: bool = True,
     loss_normalizer: torch.Tensor | None = None,
