@@ -1,0 +1,81 @@
+"""Fixtures for verifier tests: prepared-dataset folders in the prepare stage's format, made directly."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+
+def make_prepared(path: Path, verifier: str, vocab_size: int, lengths: list[int], seed: int = 0,
+                  summary_vocab: int | None = None) -> Path:
+    """A prepared folder (dataset/ + summary.json) with random token ids < vocab_size and random loss masks."""
+    import datasets
+
+    rng = random.Random(seed)
+    ids = [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
+    masks = [[int(rng.random() < 0.6) for _ in range(n)] for n in lengths]
+    datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": masks}).save_to_disk(str(path / "dataset"))
+    summary = {"verifier": verifier, "verifier_id": verifier, "vocab_size": summary_vocab or vocab_size,
+               "records_read": len(lengths), "kept": len(lengths), "dropped": {}, "tokens": sum(lengths),
+               "masked_tokens": sum(map(sum, masks))}
+    (path / "summary.json").write_text(json.dumps(summary))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_vocab(smollm2_tokenizer) -> int:
+    return len(smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def prepared_llama(tmp_path_factory, tiny_llama_dir, tiny_vocab) -> Path:
+    """12 samples of 3..30 tokens for the tiny Llama verifier."""
+    lengths = [3, 17, 30, 8, 25, 12, 5, 29, 19, 1, 22, 14]
+    return make_prepared(tmp_path_factory.mktemp("prepared-llama"), str(tiny_llama_dir), tiny_vocab, lengths)
+
+
+class _VisionTower:
+    """A stand-in vision tower: its own embeddings, layer list and norm, to distract the module search."""
+
+    @staticmethod
+    def build():
+        from torch import nn
+
+        tower = nn.Module()
+        tower.position_embedding = nn.Embedding(16, 32)
+        tower.layers = nn.ModuleList([nn.Linear(32, 32) for _ in range(3)])
+        tower.post_layernorm = nn.LayerNorm(32)
+        return tower
+
+
+def wrap_model(causal_lm, style: str):
+    """Wrap a Llama/Qwen3 causal LM the way multimodal models are laid out.
+
+    - "new": ``model.model.language_model.layers`` with ``lm_head`` on the wrapper (Llava in transformers 5)
+    - "old": ``model.language_model.model.layers`` (a whole causal LM inside the wrapper)
+    - "outer-norm": like "new" but the final norm lives on the wrapper, not next to the layers
+    """
+    from torch import nn
+
+    wrapper = nn.Module()
+    wrapper.config = causal_lm.config
+    if style == "old":
+        wrapper.vision_tower = _VisionTower.build()
+        wrapper.language_model = causal_lm
+        return wrapper
+    wrapper.model = nn.Module()
+    wrapper.model.vision_tower = _VisionTower.build()
+    wrapper.model.language_model = causal_lm.model
+    wrapper.lm_head = causal_lm.lm_head
+    if style == "outer-norm":
+        wrapper.norm = causal_lm.model.norm
+        causal_lm.model.norm = nn.Identity()
+    return wrapper
+
+
+@pytest.fixture
+def wrap():
+    return wrap_model
