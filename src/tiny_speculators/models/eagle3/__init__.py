@@ -1,4 +1,5 @@
-"""EAGLE-3 draft: model (``model.py``), builder, checkpoint I/O, TTT rollout + loss (``ttt.py``)."""
+"""EAGLE-3 draft: model (``model.py``), builder, checkpoint I/O (``io.py``), TTT rollout (``ttt.py``,
+masks and kernels in ``attention.py``) and its chunked loss + metrics (``loss.py``)."""
 
 from tiny_speculators.models.eagle3.builder import build_draft, draft_kwargs_from_verifier
 from tiny_speculators.models.eagle3.io import load_draft, save_draft

@@ -31,8 +31,22 @@ except ImportError:  # pragma: no cover - depends on the installed torch
     create_block_mask = flex_attention = None  # type: ignore[assignment]
 
 
+_COMPILED_FLEX = None
+
+
 def flex_available() -> bool:
     return flex_attention is not None
+
+
+def _flex_kernel(device: torch.device):
+    """Compiled flex-attention on accelerators (eager flex materializes the full score matrix);
+    torch's eager reference path on CPU (slow, forward-only: fine for tests)."""
+    global _COMPILED_FLEX
+    if device.type == "cpu":
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
 
 
 def is_block_mask(mask) -> bool:
@@ -50,7 +64,7 @@ def attend(
     """
     gqa = q.shape[1] != k.shape[1]
     if is_block_mask(mask):
-        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+        return _flex_kernel(q.device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
     if gqa:  # explicit repeat: every sdpa backend and torch version handles it
         rep = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(rep, dim=1)

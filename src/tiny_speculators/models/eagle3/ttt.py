@@ -24,7 +24,7 @@ i.e. columns i + d2t[i])`` and ``q = softmax(draft logits)``, summed over valid 
 accumulation over micro-batches / ranks, pass ``loss_normalizer`` = the global per-step counts (the
 all-reduced ``counts`` of the whole optimizer step): then ``loss = sum_k decay**k * loss_sums[k] /
 loss_normalizer[k]`` and the micro-batch losses sum to the full-batch loss.
-Memory: verifier logits are computed from ``last_hidden_state`` through ``target_head`` in chunks of
+Memory (``loss.py``): verifier logits are computed from ``last_hidden_state`` through ``target_head`` in chunks of
 ``chunk_size`` rows (each chunk once, shared by all K steps, only its draft-vocab columns and
 full-vocab argmax kept), and each (chunk, step) draft-logit block is recomputed in backward
 (``torch.utils.checkpoint``), so no ``[K, N, V]`` tensor ever exists.
@@ -69,13 +69,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint as grad_checkpoint
 
 from tiny_speculators.models.eagle3.attention import flex_available, ttt_block_mask, ttt_mask_dense
+from tiny_speculators.models.eagle3.loss import METRIC_KEYS, chain_metrics, chunked_kl_loss, summarize_metrics
 from tiny_speculators.models.eagle3.model import Eagle3Draft, KVCache
 
-METRIC_KEYS = ("loss_sum", "count", "correct", "cond_correct", "cond_count")
+__all__ = ["METRIC_KEYS", "TTTOutput", "positions_from_documents", "rollout", "summarize_metrics", "ttt_step",
+           "valid_anchors"]
 
 
 @dataclass
@@ -148,14 +148,6 @@ def rollout(draft: Eagle3Draft, input_ids, aux_hidden_states, position_ids, docu
     return outs
 
 
-def _chunk_kl(draft: Eagle3Draft, hidden: torch.Tensor, target_logp: torch.Tensor):
-    """KL(p || q) summed over rows, and the draft argmax; hidden [n, H], target_logp [n, Vd] (fp32)."""
-    logq = F.log_softmax(draft.compute_logits(hidden).float(), dim=-1)  # (n, Vd)
-    p = target_logp.exp()
-    kl = torch.where(p > 0, p * (target_logp - logq), torch.zeros_like(logq)).sum()
-    return kl, logq.argmax(dim=-1)
-
-
 def ttt_step(
     draft: Eagle3Draft,
     *,
@@ -187,88 +179,22 @@ def ttt_step(
     outs = rollout(draft, input_ids, aux_hidden_states, position_ids, document_ids, steps=steps,
                    attention=attention)
     valid = valid_anchors(loss_mask, document_ids, steps).reshape(steps, b * t)  # (K, N) by anchor
-    flat_h = [o.reshape(b * t, -1) for o in outs]  # K x (N, H)
-    source = (target_logits if target_logits is not None else last_hidden_state).reshape(b * t, -1)
-    draft_cols = torch.arange(draft.draft_vocab_size, device=device) + draft.d2t  # target id per draft id
-
-    loss_sums = [torch.zeros((), device=device) for _ in range(steps)]
-    correct = torch.zeros(steps, b * t, dtype=torch.bool, device=device)  # by anchor
-    # a target row r serves step k at anchor r - k - 1; chunks walk target rows so each is computed once
-    for start in range(0, b * t, chunk_size):
-        stop = min(start + chunk_size, b * t)
-        rows = torch.arange(start, stop, device=device)
-        users = []
-        for k in range(steps):
-            anchors = rows - k - 1
-            keep = anchors >= 0
-            keep[keep.clone()] = valid[k, anchors[keep]]
-            users.append(keep)
-        if not any(u.any() for u in users):
-            continue
-        with torch.no_grad():
-            chunk = source[start:stop]
-            logits = (chunk if target_logits is not None else target_head(chunk)).float()  # (c, V)
-            target_argmax = logits.argmax(dim=-1)  # over the full target vocab
-            target_logp = F.log_softmax(logits[:, draft_cols], dim=-1)  # (c, Vd)
-            del logits
-        for k in range(steps):
-            keep = users[k]
-            if not keep.any():
-                continue
-            anchors = rows[keep] - k - 1
-            h = flat_h[k][anchors]  # (n, H)
-            tlp = target_logp[keep]
-            if checkpoint and torch.is_grad_enabled():
-                kl, pred = grad_checkpoint(_chunk_kl, draft, h, tlp, use_reentrant=False)
-            else:
-                kl, pred = _chunk_kl(draft, h, tlp)
-            loss_sums[k] = loss_sums[k] + kl
-            correct[k, anchors] = draft.to_target_ids(pred) == target_argmax[keep]
-
-    loss_sums_t = torch.stack(loss_sums)  # (K,)
+    loss_sums_t, correct = chunked_kl_loss(
+        draft, [o.reshape(b * t, -1) for o in outs], valid,
+        (target_logits if target_logits is not None else last_hidden_state).reshape(b * t, -1),
+        target_head=None if target_logits is not None else target_head, chunk_size=chunk_size, checkpoint=checkpoint,
+    )
     counts = valid.sum(dim=1)  # (K,)
     weights = decay ** torch.arange(steps, device=device, dtype=torch.float32)
     denom = loss_normalizer.to(device).float() if loss_normalizer is not None else counts.clamp(min=1).float()
     loss = (weights * loss_sums_t / denom.clamp(min=1e-12)).sum()
 
-    chain = torch.ones(b * t, dtype=torch.bool, device=device)  # all previous steps valid and correct
-    cond_correct, cond_count = [], []
-    for k in range(steps):
-        base = chain & valid[k]
-        cond_count.append(base.sum())
-        cond_correct.append((base & correct[k]).sum())
-        chain = base & correct[k]
+    cond_correct, cond_count = chain_metrics(valid, correct)
     metrics = {
         "loss_sum": loss_sums_t.detach().clone(),
         "count": counts,
         "correct": correct.sum(dim=1),
-        "cond_correct": torch.stack(cond_correct),
-        "cond_count": torch.stack(cond_count),
+        "cond_correct": cond_correct,
+        "cond_count": cond_count,
     }
     return TTTOutput(loss=loss, loss_sums=loss_sums_t, metrics=metrics)
-
-
-def summarize_metrics(metrics: dict[str, torch.Tensor], decay: float = 1.0) -> dict[str, float]:
-    """Summed metric tensors (from one or many ``ttt_step`` calls) -> floats for logging.
-
-    Keys: ``loss`` (``sum_k decay**k * loss_k``), and per step k: ``loss_k``, ``acc_k``, ``cond_acc_k``;
-    ``acceptance_length`` (``1 + sum_k prod_{j<=k} cond_acc_j``); ``tokens`` (valid step-0 anchors).
-    """
-    m = {k: metrics[k].detach().double().cpu() for k in METRIC_KEYS}
-    steps = m["count"].numel()
-    out: dict[str, float] = {}
-    loss, run, accept = 0.0, 1.0, 1.0
-    for k in range(steps):
-        count = float(m["count"][k])
-        loss_k = float(m["loss_sum"][k]) / count if count else 0.0
-        acc_k = float(m["correct"][k]) / count if count else 0.0
-        cond_n = float(m["cond_count"][k])
-        cond_k = float(m["cond_correct"][k]) / cond_n if cond_n else 0.0
-        out[f"loss_{k}"], out[f"acc_{k}"], out[f"cond_acc_{k}"] = loss_k, acc_k, cond_k
-        loss += decay**k * loss_k
-        run *= cond_k
-        accept += run
-    out["loss"] = loss
-    out["acceptance_length"] = accept
-    out["tokens"] = float(m["count"][0]) if steps else 0.0
-    return out
