@@ -152,8 +152,8 @@ def open_shard(directory: Path, entry: dict[str, Any], manifest: dict[str, Any],
             raise UserError(f"shard {path} holds tensors {sorted(keys)}, expected {sorted(spec)}")
         for name, (shape, dtype) in spec.items():
             sl = handle.get_slice(name)
-            got_shape, got_dtype = tuple(sl.get_shape()), sl.get_dtype()
-            if got_shape != shape or _DTYPE_CODES.get(got_dtype, got_dtype) != dtype:
+            got_shape, got_dtype = tuple(sl.get_shape()), _DTYPE_CODES.get(sl.get_dtype(), sl.get_dtype())
+            if got_shape != shape or got_dtype != dtype:
                 raise UserError(f"shard {path}: tensor {name} is {got_dtype} {list(got_shape)}, "
                                 f"expected {dtype} {list(shape)}")
         offsets = handle.get_tensor("sample_offsets")
