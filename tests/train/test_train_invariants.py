@@ -1,0 +1,157 @@
+"""Invariance tests of the training loop (fp32, CPU): grad accumulation, 2-process DDP / FSDP2 (gloo),
+kill -9 + resume, SIGTERM checkpointing, offline == online, NaN stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tiny_speculators.errors import UserError
+from tiny_speculators.train.stage import train
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _common(inputs, out: Path, **kw) -> dict:
+    args = dict(verifier=str(inputs.verifier), vocab=inputs.vocab, out=out, hidden_states=inputs.hidden_states,
+                eval_fraction=0.0, lr=1e-2, warmup_steps=0, progress=False, seed=3, save_every=0)
+    args.update(kw)
+    return args
+
+
+def _weights(out: Path, name: str = "final") -> dict[str, torch.Tensor]:
+    return load_file(str(out / name / "model.safetensors"))
+
+
+def _assert_same(a: dict, b: dict, atol: float = 2e-6) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=f"parameter {k}")
+
+
+def _changed(a: dict, b: dict) -> bool:
+    return any(not torch.equal(a[k], b[k]) for k in a if k.startswith(("fc", "layers")))
+
+
+def _cli(inputs, out: Path, *extra: str, torchrun: int = 0) -> list[str]:
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={torchrun}"] if torchrun else \
+        [sys.executable]
+    return [*launcher, "-m", "tiny_speculators.cli", "train", "--verifier", str(inputs.verifier), "--vocab",
+            str(inputs.vocab), "--hidden-states", str(inputs.hidden_states), "--out", str(out), "--eval-fraction",
+            "0", "--lr", "1e-2", "--seed", "3", "--no-progress", *extra]
+
+
+def test_grad_accum_equals_bigger_batch(tiny_inputs, tmp_path):
+    train(**_common(tiny_inputs, tmp_path / "a", max_steps=2, batch_size=1, grad_accum=2))
+    train(**_common(tiny_inputs, tmp_path / "b", max_steps=2, batch_size=2, grad_accum=1))
+    train(**_common(tiny_inputs, tmp_path / "c", max_steps=1, batch_size=2, grad_accum=1))
+    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    _assert_same(a, b)
+    assert _changed(b, _weights(tmp_path / "c"))  # the comparison is not vacuous: a second step moves weights
+
+
+def test_ddp_two_processes_equal_one(tiny_inputs, tmp_path):
+    single = train(**_common(tiny_inputs, tmp_path / "one", max_steps=2, batch_size=2))
+    subprocess.run(_cli(tiny_inputs, tmp_path / "ddp", "--max-steps", "2", "--batch-size", "1", torchrun=2),
+                   check=True, env=ENV, capture_output=True, timeout=300)
+    _assert_same(_weights(tmp_path / "one"), _weights(tmp_path / "ddp"))
+    import json
+
+    ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    assert ddp["world_size"] == 2
+    assert ddp["final_train"]["loss"] == pytest.approx(single["final_train"]["loss"], rel=1e-5)
+    assert ddp["tokens_seen"] == single["tokens_seen"]
+
+
+@pytest.mark.slow
+def test_fsdp_two_processes_equal_one(tiny_inputs, tmp_path):
+    train(**_common(tiny_inputs, tmp_path / "one", max_steps=2, batch_size=2))
+    subprocess.run(_cli(tiny_inputs, tmp_path / "fsdp", "--max-steps", "2", "--batch-size", "1", "--fsdp",
+                        torchrun=2), check=True, env=ENV, capture_output=True, timeout=300)
+    _assert_same(_weights(tmp_path / "one"), _weights(tmp_path / "fsdp"))
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
+    t0 = time.time()
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended (rc {proc.returncode}) before {path} appeared: {proc.stderr.read()}")
+        if time.time() - t0 > timeout:
+            proc.kill()
+            raise AssertionError(f"{path} did not appear in {timeout} s")
+        time.sleep(0.02)
+
+
+def test_kill9_then_resume_equals_uninterrupted(tiny_inputs, tmp_path):
+    steps = ["--max-steps", "12", "--batch-size", "2", "--save-every", "3", "--keep-last", "2"]
+    out = tmp_path / "run"
+    # 1) SIGKILL once the step-3 checkpoint exists
+    p = subprocess.Popen(_cli(tiny_inputs, out, *steps), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    _wait_for(out / "step_000003", p)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=60)
+    assert not (out / "final").exists(), "the run finished before it could be killed"
+    # 2) resume, then SIGTERM: it must write a checkpoint at the step it reached and exit with 130
+    p = subprocess.Popen(_cli(tiny_inputs, out, *steps, "--resume"), env=ENV, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    _wait_for(out / "step_000006", p)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    from tiny_speculators.train.checkpoint import list_checkpoints
+
+    ckpts = [s for s, _ in list_checkpoints(out)]
+    assert len(ckpts) <= 2 and ckpts[-1] >= 6
+    # 3) resume to the end
+    subprocess.run(_cli(tiny_inputs, out, *steps, "--resume"), check=True, env=ENV, capture_output=True,
+                   timeout=300)
+    train(**_common(tiny_inputs, tmp_path / "straight", max_steps=12, batch_size=2, save_every=3))
+    _assert_same(_weights(out), _weights(tmp_path / "straight"))
+    _assert_same(_weights(out, "step_000012"), _weights(tmp_path / "straight", "step_000012"))
+    opt_a = torch.load(out / "step_000012" / "optimizer.pt", weights_only=True)
+    opt_b = torch.load(tmp_path / "straight" / "step_000012" / "optimizer.pt", weights_only=True)
+    for i, st in opt_b["optimizer"]["state"].items():
+        torch.testing.assert_close(opt_a["optimizer"]["state"][i]["exp_avg_sq"], st["exp_avg_sq"], rtol=0, atol=1e-9)
+    import json
+
+    logged = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, 13))  # one row per step, no duplicates from the killed runs
+
+
+def test_offline_and_online_first_step_loss_agree(tiny_inputs, tmp_path):
+    off = train(**_common(tiny_inputs, tmp_path / "off", max_steps=1, batch_size=2))
+    on = train(**_common(tiny_inputs, tmp_path / "on", max_steps=1, batch_size=2, hidden_states=None,
+                         data=tiny_inputs.prepared, online=True))
+    assert off["final_train"]["positions"] == on["final_train"]["positions"] > 0
+    assert on["final_train"]["loss"] == pytest.approx(off["final_train"]["loss"], rel=1e-4)
+    _assert_same(_weights(tmp_path / "off"), _weights(tmp_path / "on"), atol=1e-5)
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_inputs, tmp_path):
+    out = tmp_path / "nan"
+    with pytest.raises(UserError, match="loss became"):
+        train(**_common(tiny_inputs, out, max_steps=20, batch_size=2, save_every=1, lr=1e30, max_grad_norm=0))
+    from tiny_speculators.train.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(out)
+    assert last is not None
+    weights = load_file(str(last / "model.safetensors"))
+    assert all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point())
+    assert not (out / "final").exists()
+
+
+def test_bad_arguments_are_user_errors(tiny_inputs, tmp_path):
+    with pytest.raises(UserError, match="online"):
+        train(**_common(tiny_inputs, tmp_path / "x", max_steps=1, data=tiny_inputs.prepared))
+    train(**_common(tiny_inputs, tmp_path / "y", max_steps=1, batch_size=2))
+    with pytest.raises(UserError, match="already holds checkpoints"):
+        train(**_common(tiny_inputs, tmp_path / "y", max_steps=1, batch_size=2))
