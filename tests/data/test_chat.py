@@ -207,3 +207,40 @@ def test_template_errors_and_missing_template(smollm2_tokenizer, alternating_tem
     bare.chat_template = None
     with pytest.raises(UserError, match="no chat template"):
         ChatRenderer(bare)
+
+
+GENERATION_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\\n' }}{% else %}{{ message['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_prefix_diff_agrees_with_generation_markers(smollm2_tokenizer):
+    """Where a template marks assistant text with {% generation %}, transformers' own mask is an independent oracle."""
+    import random
+
+    rng = random.Random(0)
+    words = ["alpha", "beta", " gamma", "42", "!", "\n", "naïve", "x y", "<tag>", "  "]
+    renderer = ChatRenderer(smollm2_tokenizer, chat_template=GENERATION_TEMPLATE)
+    boundaries = 0
+    for _ in range(25):
+        messages = [{"role": "system", "content": "sys"}] if rng.random() < 0.5 else []
+        for _ in range(rng.randint(1, 4)):
+            for role in ("user", "assistant"):
+                messages.append({"role": role, "content": "".join(rng.choices(words, k=rng.randint(1, 6))) + "."})
+        [sample] = renderer.samples(messages)
+        oracle = smollm2_tokenizer.apply_chat_template(
+            messages, chat_template=GENERATION_TEMPLATE, tokenize=True, return_dict=True,
+            return_assistant_tokens_mask=True)
+        assert sample.input_ids == list(oracle["input_ids"])
+        assert sample.loss_mask == list(oracle["assistant_masks"])
+        expected = [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+        boundaries += sample.boundary_tokens
+        if sample.boundary_tokens == 0:  # else a token like "\n " also holds the header's newline
+            assert masked_text(smollm2_tokenizer, sample) == expected
+        else:
+            assert all(got.endswith(want) for got, want in zip(masked_text(smollm2_tokenizer, sample), expected,
+                                                               strict=True))
+    assert boundaries > 0  # the seed covers answers whose first token merges with the header's newline

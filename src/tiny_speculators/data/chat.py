@@ -15,7 +15,9 @@ special token there, the span is the piece minus trailing whitespace.
 
 Character spans become token masks through the offsets of ONE tokenization of the whole rendered
 text (tokenizing pieces separately would change BPE merges at the seams): a token is masked when
-it starts inside a span. Tokens that straddle a span edge are counted as ``boundary_tokens``.
+it holds at least one character of a span -- the rule transformers applies to ``{% generation %}``
+masks. A token that straddles a span edge (``"\n "`` when an answer starts with a space after a
+newline) is masked and counted in ``boundary_tokens``.
 
 Templates that rewrite earlier turns (Qwen3 drops the ``<think>`` block of assistant turns before
 the last user message, and its ``enable_thinking=False`` prompt is not a prefix of those rewritten
@@ -171,11 +173,9 @@ class ChatRenderer:
             if j == len(spans):
                 break
             s, e = spans[j]
-            if s <= a < e:
+            if (a < e and b > s) or (a == b and s <= a < e):  # holds at least one character of the span
                 mask[i] = 1
-                boundary += b > e
-            elif a < s < b:
-                boundary += 1
+                boundary += a < s or b > e
         return Sample(text=text, input_ids=ids, loss_mask=mask, spans=spans,
                       turns=sorted(t.index for t in turns), boundary_tokens=boundary)
 

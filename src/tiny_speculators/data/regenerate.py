@@ -52,14 +52,14 @@ SETTINGS_FILE = "partial.settings.json"
 class Conversation:
     """One input record: where it came from and its messages (OpenAI form)."""
 
-    source: str
-    index: int  # record number in its file (1-based line number for JSONL)
+    source: str  # where the reader found it: ``file:line`` (JSONL) or ``file#record``
+    index: int  # position among all records read
     messages: list[dict[str, str]]
     id: str = ""
 
     def __post_init__(self) -> None:
         if not self.id:
-            blob = json.dumps([Path(self.source).name, self.index, self.messages], sort_keys=True, ensure_ascii=False)
+            blob = json.dumps([Path(self.source).name, self.messages], sort_keys=True, ensure_ascii=False)
             self.id = hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -78,40 +78,22 @@ class _Work:
 def read_conversations(paths: Iterable[Path], strict: bool = False) -> tuple[list[Conversation], Counter]:
     """Read chat records (OpenAI or ShareGPT form) with ``prepare``'s readers and bad-input rules.
 
-    Returns the good conversations and a counter of dropped records by reason. With ``strict`` a
-    bad record raises :class:`UserError`.
+    Returns the good conversations and a counter of dropped records by reason. With ``strict`` the
+    first bad record raises :class:`UserError`.
     """
-    try:
-        from tiny_speculators.data import readers
-    except ImportError:  # TEMPORARY until the data helper's readers land
-        return _read_jsonl_fallback(paths, strict)
+    from tiny_speculators.data.readers import read_records
+
     convs: list[Conversation] = []
     dropped: Counter = Counter()
-    for rec in readers.iter_records([Path(p) for p in paths], strict=strict, dropped=dropped):
-        convs.append(Conversation(source=str(rec.source), index=int(rec.index), messages=list(rec.messages)))
-    return convs, dropped
-
-
-def _read_jsonl_fallback(paths: Iterable[Path], strict: bool) -> tuple[list[Conversation], Counter]:
-    convs: list[Conversation] = []
-    dropped: Counter = Counter()
-    for path in paths:
-        path = Path(path)
-        if not path.is_file():
-            raise UserError(f"data file {path} does not exist")
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                msgs = json.loads(line)["messages"]
-                assert all(m["role"] in ("system", "user", "assistant") and isinstance(m["content"], str)
-                           and m["content"].strip() for m in msgs)
-            except Exception:
-                if strict:
-                    raise UserError(f"{path}: line {n} is not a valid chat record") from None
-                dropped["invalid"] += 1
-                continue
-            convs.append(Conversation(source=str(path), index=n, messages=msgs))
+    for index, record in enumerate(read_records(paths)):
+        if record.error is not None:
+            if strict:
+                raise UserError(f"{record.where}: {record.error} (--strict stops at the first bad record)")
+            dropped[record.error.reason] += 1
+            log.warning("%s: %s", record.where, record.error)
+            continue
+        messages = [{"role": m["role"], "content": m["content"]} for m in record.messages or []]
+        convs.append(Conversation(source=record.where, index=index, messages=messages))
     return convs, dropped
 
 
@@ -353,9 +335,9 @@ def regenerate(
         w = _prepare_work(conv)
         if isinstance(w, str):
             if strict:
-                raise UserError(f"{conv.source}: record {conv.index} has no user turn")
+                raise UserError(f"{conv.source}: the record has no user turn (--strict stops at the first bad record)")
             dropped[w] += 1
-            log.warning("%s: record %d dropped: %s", conv.source, conv.index, w)
+            log.warning("%s: %s: nothing to answer", conv.source, w)
         else:
             works.append(w)
     if not works:
