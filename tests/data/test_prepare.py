@@ -194,3 +194,12 @@ def test_qwen3_split_counts(tmp_path, qwen3_tokenizer, qwen3_tokenizer_dir, monk
     assert s["dropped"] == {"template inconsistency": 1} and s["kept"] == 1
     s = prepare(str(qwen3_tokenizer_dir), [data], tmp_path / "drop", rewritten_turns="drop")
     assert s["dropped"] == {"rewritten turns": 1}
+
+
+def test_json_array_with_bad_bytes_keeps_the_good_records(tmp_path, fast_tokenizer, smollm2_dir):
+    good = json.dumps(GOOD[0]).encode()
+    bad = b'{"messages": [{"role": "user", "content": "na\xefve"}, {"role": "assistant", "content": "ok"}]}'
+    (tmp_path / "a.json").write_bytes(b"[" + good + b", " + bad + b", " + good + b"]")
+    s = prepare(str(smollm2_dir), [tmp_path / "a.json"], tmp_path / "o")
+    assert (s["records_read"], s["kept"], s["dropped"]) == (3, 2, {"not UTF-8": 1})
+    assert load_prepared(tmp_path / "o").dataset["source"] == [f"{tmp_path / 'a.json'}#0", f"{tmp_path / 'a.json'}#2"]

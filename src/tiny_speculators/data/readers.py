@@ -21,6 +21,7 @@ Each record comes out as a :class:`Record` holding either its normalised message
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,9 @@ ROLES: dict[str, str] = {
 }
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 @dataclass
 class Record:
     where: str
@@ -49,7 +53,7 @@ class Record:
 def _has_surrogates(value: Any) -> bool:
     """True if a decoded string holds bytes that were not UTF-8 (kept as lone surrogates)."""
     if isinstance(value, str):
-        return any("\ud800" <= ch <= "\udfff" for ch in value)
+        return _SURROGATE.search(value) is not None
     if isinstance(value, dict):
         return any(_has_surrogates(k) or _has_surrogates(v) for k, v in value.items())
     if isinstance(value, list):
