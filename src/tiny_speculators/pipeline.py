@@ -1,0 +1,453 @@
+"""``pipeline``: every stage from one YAML file, each in its own folder under one run directory.
+
+The YAML holds a top-level ``run_dir`` and ``verifier`` and one mapping per stage with that stage's
+own options (the same keys as its CLI flags)::
+
+    run_dir: runs/smollm2-135m
+    verifier: smollm2-135m
+    regenerate: {data: [builtin:train], max_new_tokens: 96}   # optional
+    prepare: {max_length: 512}          # takes `data` itself when there is no regenerate section
+    vocab: {size: 8192}
+    extract: {}                         # offline mode; leave it out and set train.online: true instead
+    train: {max_steps: 600}
+    export: {}
+    evaluate: {max_new_tokens: 64}
+
+The pipeline supplies the paths that connect the stages (``data``, ``out``, ``vocab``,
+``hidden_states``, ``checkpoint``, ``draft``) and ``verifier``; a section may not set them. Data paths
+are relative to the folder the command runs in; ``builtin:train`` is the prompt set shipped with the package.
+
+``RUN_DIR/pipeline.json`` records, per stage, a content hash of its inputs (data files' bytes, the
+verifier, upstream stages' hashes) and its options, and whether it finished. A rerun skips stages
+whose hash is unchanged and that finished, resumes one that was interrupted (passing ``resume`` to
+stages that have it; the others resume by themselves), and reruns a changed stage from scratch
+together with everything downstream. ``--from-stage`` forces a rerun from that stage on;
+``--until-stage`` stops after one.
+
+    tiny-speculators pipeline --config configs/smollm2-135m.yaml
+    tiny-speculators pipeline --config configs/smollm2-135m.yaml --from-stage train --until-stage export
+
+    from tiny_speculators.pipeline import pipeline
+    pipeline(Path("configs/smollm2-135m.yaml"), until_stage="vocab")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from tiny_speculators.config import bind, load_yaml, stage_params
+from tiny_speculators.errors import UserError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MANIFEST", "STAGE_ORDER", "PipelinePlan", "pipeline", "plan_pipeline", "vllm_serve_command"]
+
+STAGE_ORDER = ("regenerate", "prepare", "vocab", "extract", "train", "export", "evaluate")
+MANIFEST = "pipeline.json"
+TOP_LEVEL = ("run_dir", "verifier")
+# options each stage gets from the pipeline (never from its YAML section)
+WIRED: dict[str, tuple[str, ...]] = {
+    "regenerate": ("verifier", "out"),
+    "prepare": ("verifier", "out"),
+    "vocab": ("data", "out"),
+    "extract": ("verifier", "data", "out"),
+    "train": ("verifier", "vocab", "out", "hidden_states", "data"),
+    "export": ("checkpoint", "out"),
+    "evaluate": ("verifier", "draft", "out"),
+}
+BUILTIN_PREFIX = "builtin:"
+
+
+def _stage_function(name: str) -> Callable[..., Any]:
+    from importlib import import_module
+
+    module, func = {
+        "regenerate": ("tiny_speculators.data.regenerate", "regenerate"),
+        "prepare": ("tiny_speculators.data.prepare", "prepare"),
+        "vocab": ("tiny_speculators.data.vocab", "vocab"),
+        "extract": ("tiny_speculators.verifier.extract", "extract"),
+        "train": ("tiny_speculators.train.stage", "train"),
+        "export": ("tiny_speculators.export.stage", "export"),
+        "evaluate": ("tiny_speculators.evaluate.stage", "evaluate"),
+    }[name]
+    return getattr(import_module(module), func)
+
+
+# ------------------------------------------------------------------------------------------ hashing
+def _hash_path(path: Path, h: Any) -> None:
+    """Feed a file's bytes, or every file of a folder (sorted, with relative names), into ``h``."""
+    if path.is_file():
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    elif path.is_dir():
+        for p in sorted(q for q in path.rglob("*") if q.is_file()):
+            h.update(str(p.relative_to(path)).encode() + b"\0")
+            _hash_path(p, h)
+    else:
+        raise UserError(f"input {path} does not exist")
+
+
+def _verifier_fingerprint(verifier: str) -> str:
+    """The verifier's identity: a hub id / embedded name as is; a local folder by its config and file sizes."""
+    path = Path(verifier).expanduser()
+    if not path.is_dir():
+        return verifier
+    h = hashlib.sha256()
+    for p in sorted(q for q in path.rglob("*") if q.is_file()):
+        rel = str(p.relative_to(path))
+        h.update(rel.encode() + b"\0")
+        if p.suffix in (".json", ".jinja", ".txt", ".model") and p.stat().st_size < (16 << 20):
+            h.update(p.read_bytes())
+        else:  # weights: size + mtime (hashing gigabytes on every run would be slow)
+            st = p.stat()
+            h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    return f"{path.resolve()}#{h.hexdigest()[:16]}"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+# -------------------------------------------------------------------------------------------- plan
+@dataclass
+class StagePlan:
+    name: str
+    kwargs: dict[str, Any]  # everything the stage function is called with
+    options: dict[str, Any]  # the YAML section (what the user chose)
+    upstream: list[str]
+    external: list[Path]  # input files/folders outside the run directory
+    out: Path
+
+
+@dataclass
+class PipelinePlan:
+    run_dir: Path
+    verifier: str
+    stages: dict[str, StagePlan]
+
+
+def _resolve_data(values: Any, base: Path, where: str) -> list[Path]:
+    items = values if isinstance(values, list) else [values]
+    paths = []
+    for item in items:
+        item = str(item)
+        if item.startswith(BUILTIN_PREFIX):
+            name = item[len(BUILTIN_PREFIX):]
+            resource = resources.files("tiny_speculators") / "resources" / "prompts" / f"{name}.jsonl"
+            if not resource.is_file():
+                raise UserError(f"{where}: there is no built-in prompt set '{name}'")
+            paths.append(Path(str(resource)))
+        else:
+            p = Path(item).expanduser()
+            paths.append(p if p.is_absolute() else base / p)
+    return paths
+
+
+def plan_pipeline(raw: dict[str, Any], source: str = "pipeline config") -> PipelinePlan:
+    """Work out every stage's arguments and inputs from a pipeline mapping (runs nothing)."""
+    config = source
+    base = Path.cwd()
+    raw = {str(k).replace("-", "_"): v for k, v in raw.items()}
+    unknown = sorted(set(raw) - set(TOP_LEVEL) - set(STAGE_ORDER))
+    if unknown:
+        raise UserError(f"{config}: unknown top-level key(s) {', '.join(unknown)} "
+                        f"(known: {', '.join(TOP_LEVEL + STAGE_ORDER)})")
+    if not raw.get("verifier"):
+        raise UserError(f"{config}: needs a top-level 'verifier'")
+    verifier = str(raw["verifier"])
+    if Path(verifier).expanduser().exists():  # a local folder: absolute, so stages and the manifest agree
+        verifier = str(Path(verifier).expanduser().resolve())
+    if raw.get("run_dir") is None:
+        raise UserError(f"{config}: needs a top-level 'run_dir'")
+    run_dir = Path(raw["run_dir"]).expanduser()
+    run_dir = run_dir if run_dir.is_absolute() else base / run_dir
+    for required in ("prepare", "vocab", "train", "export", "evaluate"):
+        if required not in raw:
+            raise UserError(f"{config}: needs a '{required}' section (it may be empty: {required}: {{}})")
+
+    sections: dict[str, dict[str, Any]] = {}
+    for name in STAGE_ORDER:
+        if name not in raw:
+            continue
+        section = raw[name] or {}
+        if not isinstance(section, dict):
+            raise UserError(f"{config}: the '{name}' section must be a mapping of that stage's options")
+        section = {str(k).replace("-", "_"): v for k, v in section.items()}
+        clash = sorted(set(section) & set(WIRED[name]))
+        if clash:
+            raise UserError(f"{config}: '{name}' may not set {', '.join(clash)}: the pipeline sets "
+                            f"{'it' if len(clash) == 1 else 'them'}")
+        sections[name] = section
+    online = bool(sections["train"].get("online", False))
+    if online and "extract" in sections:
+        raise UserError(f"{config}: train.online is true, so there must be no 'extract' section")
+    if not online:
+        sections.setdefault("extract", {})
+    has_regen = "regenerate" in sections
+    if has_regen and "data" in sections["prepare"]:
+        raise UserError(f"{config}: with a 'regenerate' section, prepare reads its output: move 'data' there")
+    data_owner = "regenerate" if has_regen else "prepare"
+    if "data" not in sections[data_owner]:
+        raise UserError(f"{config}: '{data_owner}' needs 'data' (chat files, or builtin:train)")
+
+    stages: dict[str, StagePlan] = {}
+
+    def add(name: str, wired: dict[str, Any], upstream: list[str], external: list[Path]) -> None:
+        out = run_dir / name
+        options = sections[name]
+        values = {**options, **wired, "out": out}
+        func = _stage_function(name)
+        kwargs = bind(func, values, source=f"{config} [{name}]")
+        stages[name] = StagePlan(name, kwargs, options, upstream, external, out)
+
+    if has_regen:
+        data = _resolve_data(sections["regenerate"].pop("data"), base, f"{config} [regenerate]")
+        add("regenerate", {"verifier": verifier, "data": data}, [], data)
+        from tiny_speculators.data.regenerate import OUTPUT_FILE
+
+        add("prepare", {"verifier": verifier, "data": [run_dir / "regenerate" / OUTPUT_FILE]}, ["regenerate"], [])
+    else:
+        data = _resolve_data(sections["prepare"].pop("data"), base, f"{config} [prepare]")
+        add("prepare", {"verifier": verifier, "data": data}, [], data)
+    add("vocab", {"data": run_dir / "prepare"}, ["prepare"], [])
+    if online:
+        add("train", {"verifier": verifier, "vocab": run_dir / "vocab", "data": run_dir / "prepare"},
+            ["prepare", "vocab"], [])
+    else:
+        add("extract", {"verifier": verifier, "data": run_dir / "prepare"}, ["prepare"], [])
+        add("train", {"verifier": verifier, "vocab": run_dir / "vocab", "hidden_states": run_dir / "extract"},
+            ["vocab", "extract"], [])
+    add("export", {"checkpoint": run_dir / "train"}, ["train"], [])
+    add("evaluate", {"verifier": verifier, "draft": run_dir / "export"}, ["export"], [])
+    for name, plan in stages.items():  # options that are files outside the run (chat_template, init_from ...)
+        for key, value in plan.options.items():
+            if isinstance(plan.kwargs.get(key), Path) and key not in ("out",):
+                path = plan.kwargs[key]
+                if not path.is_absolute():
+                    plan.kwargs[key] = path = base / path
+                if path.exists():
+                    plan.external.append(path)
+            if key == "prompts" and name == "evaluate" and str(value) != "builtin" and Path(str(value)).suffix:
+                path = Path(str(value)) if Path(str(value)).is_absolute() else base / str(value)
+                plan.kwargs[key] = str(path)
+                if path.exists():
+                    plan.external.append(path)
+    return PipelinePlan(run_dir=run_dir, verifier=verifier,
+                        stages={n: stages[n] for n in STAGE_ORDER if n in stages})
+
+
+def _stage_hash(plan: StagePlan, verifier_fp: str, upstream_hashes: dict[str, str]) -> str:
+    h = hashlib.sha256()
+    uses_verifier = "verifier" in plan.kwargs
+    h.update(json.dumps({"stage": plan.name, "options": _jsonable(plan.options),
+                         "verifier": verifier_fp if uses_verifier else None,
+                         "upstream": {u: upstream_hashes[u] for u in plan.upstream}}, sort_keys=True).encode())
+    for path in plan.external:
+        h.update(str(path.name).encode() + b"\0")
+        _hash_path(path, h)
+    return h.hexdigest()
+
+
+# -------------------------------------------------------------------------------------------- run
+def _load_manifest(path: Path) -> dict[str, Any]:
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if isinstance(data, dict) and isinstance(data.get("stages"), dict):
+                return data
+        except json.JSONDecodeError:
+            pass
+        log.warning("%s is unreadable: every stage will run again", path)
+    return {"version": 1, "stages": {}}
+
+
+def _save_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(_jsonable(manifest), indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def vllm_serve_command(verifier_id: str, draft_dir: Path | str, k: int) -> str:
+    """The ``vllm serve`` line that serves ``verifier_id`` with the exported EAGLE-3 draft."""
+    spec = json.dumps({"model": str(draft_dir), "num_speculative_tokens": int(k), "method": "eagle3"})
+    return f"vllm serve {verifier_id} --speculative-config '{spec}'"
+
+
+def pipeline(
+    config: Path | None = None,
+    /,
+    from_stage: str | None = None,
+    until_stage: str | None = None,
+    run_dir: Path | None = None,
+    verifier: str | None = None,
+    regenerate: dict | None = None,
+    prepare: dict | None = None,
+    vocab: dict | None = None,
+    extract: dict | None = None,
+    train: dict | None = None,
+    export: dict | None = None,
+    evaluate: dict | None = None,
+) -> dict[str, Any]:
+    """Run the stages of a pipeline YAML in order; unchanged finished stages are skipped.
+
+    On the command line ``--config FILE`` supplies run_dir, verifier and the stage sections; from
+    Python, pass the YAML path as the first argument (keyword arguments override its keys).
+
+    Args:
+        config: Pipeline YAML file (Python callers; the CLI reads it through --config).
+        from_stage: Rerun from this stage on, even if nothing changed (earlier stages must have finished).
+        until_stage: Stop after this stage.
+        run_dir: Run directory: one folder per stage plus pipeline.json.
+        verifier: The verifier: a Hugging Face id, a local folder, or smollm2-135m.
+        regenerate: Options of the regenerate stage (optional section; it takes `data`).
+        prepare: Options of the prepare stage (takes `data` when there is no regenerate section).
+        vocab: Options of the vocab stage.
+        extract: Options of the extract stage (offline training; leave out with train.online true).
+        train: Options of the train stage.
+        export: Options of the export stage.
+        evaluate: Options of the evaluate stage.
+    """
+    raw: dict[str, Any] = load_yaml(config) if config is not None else {}
+    given = {"run_dir": run_dir, "verifier": verifier, "regenerate": regenerate, "prepare": prepare, "vocab": vocab,
+             "extract": extract, "train": train, "export": export, "evaluate": evaluate}
+    raw.update({k: v for k, v in given.items() if v is not None})
+    source = str(config) if config is not None else "pipeline options"
+    t0 = time.perf_counter()
+    for value, flag in ((from_stage, "from_stage"), (until_stage, "until_stage")):
+        if value is not None and value not in STAGE_ORDER:
+            raise UserError(f"{flag} must be one of {', '.join(STAGE_ORDER)}, not {value!r}")
+    plan = plan_pipeline(raw, source)
+    names = list(plan.stages)
+    for value, flag in ((from_stage, "from_stage"), (until_stage, "until_stage")):
+        if value is not None and value not in names:
+            raise UserError(f"{flag} '{value}' is not part of this pipeline (its stages: {', '.join(names)})")
+    start = names.index(from_stage) if from_stage else 0
+    stop = names.index(until_stage) if until_stage else len(names) - 1
+    if start > stop:
+        raise UserError(f"from_stage '{from_stage}' comes after until_stage '{until_stage}'")
+
+    manifest_path = plan.run_dir / MANIFEST
+    manifest = _load_manifest(manifest_path)
+    manifest.update(config=str(Path(config).resolve()) if config is not None else None, verifier=plan.verifier)
+    records: dict[str, dict[str, Any]] = manifest["stages"]
+    verifier_fp = _verifier_fingerprint(plan.verifier)
+    hashes: dict[str, str] = {}
+    actions: dict[str, str] = {}
+    for i, name in enumerate(names):
+        if i > stop:
+            break
+        stage = plan.stages[name]
+        digest = _stage_hash(stage, verifier_fp, hashes)
+        hashes[name] = digest
+        record = records.get(name, {})
+        same = record.get("hash") == digest
+        finished = same and record.get("status") == "done" and stage.out.exists()
+        if i < start:
+            if not finished:
+                raise UserError(f"--from-stage {from_stage}: the earlier stage '{name}' has not finished with "
+                                "this configuration; run without --from-stage first")
+            actions[name] = "kept"
+            continue
+        forced = from_stage is not None
+        if finished and not forced:
+            log.info("pipeline: %s unchanged, skipped", name)
+            actions[name] = "skipped"
+            continue
+        func = _stage_function(name)
+        kwargs = dict(stage.kwargs)
+        resuming = same and record.get("status") == "running" and stage.out.exists() and not forced
+        if resuming:
+            if "resume" in stage_params(func):
+                kwargs["resume"] = True
+            log.info("pipeline: %s was interrupted: resuming", name)
+            actions[name] = "resumed"
+        else:
+            if stage.out.exists():
+                log.info("pipeline: %s %s: starting it again from scratch", name,
+                         "forced" if forced else "changed" if record else "left over")
+                shutil.rmtree(stage.out)
+            actions[name] = "ran"
+        records[name] = {"hash": digest, "status": "running", "options": stage.options,
+                         "external_inputs": [str(p) for p in stage.external], "upstream": stage.upstream,
+                         "out": str(stage.out), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        for later in names[i + 1:]:  # downstream results are stale once this stage reruns
+            if later in records:
+                records[later]["status"] = "stale"
+        _save_manifest(manifest_path, manifest)
+        log.info("pipeline: running %s", name)
+        s0 = time.perf_counter()
+        positional = [kwargs.pop(n) for n, (p, _) in stage_params(func).items()
+                      if p.kind is inspect.Parameter.POSITIONAL_ONLY and n in kwargs]
+        summary = func(*positional, **kwargs)
+        records[name].update(status="done", seconds=round(time.perf_counter() - s0, 2),
+                             finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                             summary=summary if isinstance(summary, dict) else None)
+        _save_manifest(manifest_path, manifest)
+
+    result = {"run_dir": str(plan.run_dir), "manifest": str(manifest_path), "actions": actions,
+              "stage_seconds": {n: records[n].get("seconds") for n in actions if n in records},
+              "seconds": round(time.perf_counter() - t0, 2)}
+    evaluation = records.get("evaluate", {})
+    if evaluation.get("status") == "done" and isinstance(evaluation.get("summary"), dict):
+        result.update(_final_numbers(plan, evaluation["summary"]))
+    _print_table(result, records)
+    return result
+
+
+def _final_numbers(plan: PipelinePlan, ev: dict[str, Any]) -> dict[str, Any]:
+    from tiny_speculators.verifier.load import verifier_id
+
+    draft = plan.run_dir / "export"
+    k = ev.get("k") or plan.stages["evaluate"].kwargs.get("k", 4)
+    return {"acceptance_length": ev.get("acceptance_length"),
+            "per_position_acceptance": ev.get("per_position_acceptance"),
+            "speedup": ev.get("speedup"), "matches_baseline": ev.get("matches_baseline"), "draft": str(draft),
+            "serve": vllm_serve_command(verifier_id(plan.verifier), draft, k)}
+
+
+def _print_table(result: dict[str, Any], records: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"pipeline: {result['run_dir']}")
+    table.add_column("stage")
+    table.add_column("this run")
+    table.add_column("seconds", justify="right")
+    for name, action in result["actions"].items():
+        seconds = records.get(name, {}).get("seconds")
+        table.add_row(name, action, "" if seconds is None else f"{seconds:.1f}")
+    console = Console()
+    console.print(table)
+    if "acceptance_length" in result:
+        fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
+        per_pos = result.get("per_position_acceptance") or []
+        summary = Table(title="draft", show_header=False)
+        summary.add_column("what")
+        summary.add_column("value", overflow="fold")
+        summary.add_row("τ (tokens per verifier step)", fmt(result["acceptance_length"]))
+        summary.add_row("per-position acceptance", " ".join(f"{a:.2f}" for a in per_pos) or "n/a")
+        summary.add_row("speed-up vs verifier alone", fmt(result["speedup"]))
+        summary.add_row("greedy output == verifier's", str(result.get("matches_baseline")))
+        summary.add_row("draft (speculators format)", result["draft"])
+        console.print(summary)
+        console.print("serve it with vLLM:", style="bold")
+        console.print(result["serve"], soft_wrap=True, markup=False, highlight=False)
