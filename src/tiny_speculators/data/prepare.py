@@ -170,7 +170,7 @@ def _run(renderer: ChatRenderer, data: list[Path], tmp: Path, vocab_size: int, m
     from safetensors.torch import save_file
 
     features = datasets.Features({
-        "input_ids": datasets.List(datasets.Value("int32")),
+        "input_ids": datasets.List(datasets.Value("int64")),
         "loss_mask": datasets.List(datasets.Value("int8")),
         "source": datasets.Value("string"),
     })
