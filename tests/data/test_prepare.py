@@ -123,6 +123,10 @@ def test_all_formats_agree(tmp_path, fast_tokenizer, smollm2_dir):
     # several files at once, in order
     summary = prepare(str(smollm2_dir), [tmp_path / "a.json", tmp_path / "a.parquet"], tmp_path / "two")
     assert summary["kept"] == 6 and rows(load_prepared(tmp_path / "two")) == reference + reference
+    import torch
+
+    row = load_prepared(tmp_path / "two").dataset.with_format("torch")[0]
+    assert row["input_ids"].dtype == torch.int64 and row["loss_mask"].shape == row["input_ids"].shape
 
 
 def test_max_length_truncate_and_drop(tmp_path, fast_tokenizer, smollm2_dir):
