@@ -273,3 +273,14 @@ def test_summarize_metrics_sums_aggregate():
     assert s["loss_0"] == 0.5 and s["loss_1"] == 1.0 and s["loss"] == 0.5 + 0.5 * 1.0
     assert s["acc_1"] == pytest.approx(1 / 3) and s["cond_acc_1"] == 0.5
     assert s["acceptance_length"] == pytest.approx(1 + 0.5 + 0.25) and s["tokens"] == 4
+
+
+def test_batch_without_valid_targets_still_backpropagates_zero_grads(tiny_draft):
+    ids, aux, last, _, head = _batch(b=1, t=6, seed=9)
+    out = ttt_step(tiny_draft, input_ids=ids, aux_hidden_states=aux, last_hidden_state=last,
+                   loss_mask=torch.zeros(1, 6, dtype=torch.long), target_head=head, steps=3)
+    assert out.metrics["count"].tolist() == [0, 0, 0] and out.loss.item() == 0.0
+    out.loss.backward()
+    for n, p in tiny_draft.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and not p.grad.any(), n

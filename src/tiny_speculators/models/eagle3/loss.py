@@ -85,6 +85,11 @@ def chunked_kl_loss(
                 kl, pred = _block_kl(draft, h, tlp)
             loss_sums[k] = loss_sums[k] + kl
             correct[k, anchors] = draft.to_target_ids(pred) == target_argmax[keep]
+    for k in range(steps):
+        if not loss_sums[k].requires_grad and hidden[k].requires_grad:
+            # No valid anchor at this step: still touch norm/lm_head (zero gradient) so every trainable
+            # parameter takes part in backward (DDP/FSDP expect the same parameters on every rank).
+            loss_sums[k] = loss_sums[k] + 0.0 * draft.compute_logits(hidden[k][:1]).float().sum()
     return torch.stack(loss_sums), correct
 
 
