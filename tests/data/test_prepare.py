@@ -140,6 +140,8 @@ def test_max_length_truncate_and_drop(tmp_path, fast_tokenizer, smollm2_dir):
     assert max(len(x) for x in load_prepared(tmp_path / "t").dataset["input_ids"]) == limit
     s = prepare(str(smollm2_dir), [data], tmp_path / "d", max_length=limit, overflow="drop")
     assert s["kept"] == 2 and s["dropped"] == {"too long": 1}
+    s = prepare(str(smollm2_dir), [data], tmp_path / "d", max_length=limit, overflow="drop", strict=True)
+    assert s["dropped"] == {"too long": 1}  # a chosen length policy, not bad input: --strict does not stop
     assert f"{data}:{longest + 1}" not in load_prepared(tmp_path / "d").dataset["source"]
     # so short that the first assistant token is cut off: dropped with its own reason
     s = prepare(str(smollm2_dir), [data], tmp_path / "e", max_length=limit, last_turn_only=True)

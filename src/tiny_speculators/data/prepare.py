@@ -184,9 +184,9 @@ def _run(renderer: ChatRenderer, data: list[Path], tmp: Path, vocab_size: int, m
     with ArrowWriter(features=features, path=str(rows_path)) as writer, \
             open(tmp / "bad_records.jsonl", "w", encoding="utf-8") as bad_file:
 
-        def bad(where: str, error: RecordError) -> None:
+        def bad(where: str, error: RecordError, policy: bool = False) -> None:
             nonlocal warned
-            if strict:
+            if strict and not policy:  # drops chosen by max_length/overflow are not bad input
                 raise UserError(f"{where}: {error} (--strict stops at the first bad record)")
             dropped[error.reason] += 1
             bad_file.write(json.dumps({"where": where, "reason": error.reason, "detail": error.detail}) + "\n")
@@ -223,7 +223,7 @@ def _run(renderer: ChatRenderer, data: list[Path], tmp: Path, vocab_size: int, m
                 usable.append((ids, mask, sample.boundary_tokens))
             if not usable:
                 reason = next(iter(local_drops))
-                bad(record.where, RecordError(reason, f"longer than max_length={max_length} tokens"))
+                bad(record.where, RecordError(reason, f"longer than max_length={max_length} tokens"), policy=True)
                 continue
             samples_dropped.update(local_drops)
             kept += 1

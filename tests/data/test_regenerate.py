@@ -1,0 +1,189 @@
+"""``regenerate``: the verifier's own answers, in-process or from an OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_speculators.cli import main
+from tiny_speculators.data.regenerate import chat_completions_url, regenerate
+from tiny_speculators.errors import UserError
+
+RECORDS = [
+    {"messages": [{"role": "user", "content": "Name a colour."}]},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]},
+    {"messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "ORIGINAL ONE"},
+                  {"role": "user", "content": "Tell me more"}, {"role": "assistant", "content": "ORIGINAL TWO"}]},
+    {"conversations": [{"from": "human", "value": "Write a word."}, {"from": "gpt", "value": "ORIGINAL THREE"}]},
+]
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def read_chats(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "chats.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+def greedy_answer(model, tokenizer, messages, max_new_tokens: int) -> str:
+    """The reference: one conversation, no padding, plain ``generate``."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    new = out[0, ids["input_ids"].shape[1]:].tolist()
+    if tokenizer.eos_token_id in new:
+        new = new[:new.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(new, skip_special_tokens=True).strip()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+def test_in_process_answers_equal_plain_greedy_generation(tmp_path, tiny_llama_dir, tiny):
+    data = write_jsonl(tmp_path / "in.jsonl", RECORDS)
+    summary = regenerate(str(tiny_llama_dir), [data], tmp_path / "out", max_new_tokens=12, batch_size=3)
+    chats = read_chats(tmp_path / "out")
+    assert summary["kept"] == 4 and summary["dropped"] == {}
+    assert summary["assistant_turns_generated"] == 5 and summary["new_tokens"] > 0
+    assert [len(c["messages"]) for c in chats] == [2, 3, 4, 2]
+    # non-assistant turns kept verbatim, originals never survive
+    assert chats[1]["messages"][:2] == RECORDS[1]["messages"]
+    assert chats[2]["messages"][0] == RECORDS[2]["messages"][0]
+    assert chats[2]["messages"][2] == RECORDS[2]["messages"][2]
+    assert not any("ORIGINAL" in m["content"] for c in chats for m in c["messages"])
+    model, tokenizer = tiny
+    for chat in chats:  # every answer = the verifier's greedy answer to the (regenerated) history before it
+        for i, m in enumerate(chat["messages"]):
+            if m["role"] == "assistant":
+                assert m["content"] == greedy_answer(model, tokenizer, chat["messages"][:i], 12)
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["kept"] == 4
+
+
+def test_sampling_is_seeded(tmp_path, tiny_llama_dir):
+    data = write_jsonl(tmp_path / "in.jsonl", RECORDS[:2])
+    a = regenerate(str(tiny_llama_dir), [data], tmp_path / "a", max_new_tokens=8, temperature=1.0, seed=3)
+    b = regenerate(str(tiny_llama_dir), [data], tmp_path / "b", max_new_tokens=8, temperature=1.0, seed=3)
+    assert read_chats(tmp_path / "a") == read_chats(tmp_path / "b")
+    assert a["temperature"] == 1.0 and a["seed"] == 3 and b["new_tokens"] == a["new_tokens"]
+
+
+def test_resume_skips_finished_records_and_restarts_on_changed_settings(tmp_path, tiny_llama_dir):
+    data = write_jsonl(tmp_path / "in.jsonl", RECORDS)
+    out = tmp_path / "out"
+    regenerate(str(tiny_llama_dir), [data], out, max_new_tokens=6, max_records=2)
+    first = read_chats(out)
+    with (out / "partial.jsonl").open("a") as f:
+        f.write('{"id": "torn')  # an interrupted write
+    summary = regenerate(str(tiny_llama_dir), [data], out, max_new_tokens=6)
+    assert summary["resumed_records"] == 2 and summary["kept"] == 4
+    assert read_chats(out)[:2] == first
+    again = regenerate(str(tiny_llama_dir), [data], out, max_new_tokens=6)
+    assert again["resumed_records"] == 4 and again["new_tokens"] == 0
+    changed = regenerate(str(tiny_llama_dir), [data], out, max_new_tokens=5)
+    assert changed["resumed_records"] == 0 and changed["new_tokens"] > 0
+
+
+def test_bad_records_are_counted_and_strict_fails(tmp_path, tiny_llama_dir):
+    rows = [RECORDS[0], "{not json", {"messages": [{"role": "robot", "content": "x"}]},
+            {"messages": [{"role": "user", "content": "  "}]}, {"messages": [{"role": "system", "content": "s"}]},
+            RECORDS[1]]
+    data = write_jsonl(tmp_path / "bad.jsonl", rows)
+    summary = regenerate(str(tiny_llama_dir), [data], tmp_path / "out", max_new_tokens=4)
+    assert summary["kept"] == 2 and summary["records_read"] == 6
+    assert summary["dropped"] == {"empty content": 1, "invalid JSON": 1, "no_user_turn": 1, "unknown role": 1}
+    with pytest.raises(UserError, match=r"bad\.jsonl:2"):
+        regenerate(str(tiny_llama_dir), [data], tmp_path / "strict", max_new_tokens=4, strict=True)
+    with pytest.raises(UserError, match="does not exist"):
+        regenerate(str(tiny_llama_dir), [tmp_path / "missing.jsonl"], tmp_path / "x")
+
+
+class _Server:
+    """A deterministic OpenAI-compatible server on 127.0.0.1 that stops by itself after ``lifetime`` s."""
+
+    def __init__(self, status: int = 200, lifetime: float = 60.0):
+        self.requests: list[dict] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append({"path": self.path, **body})
+                last = body["messages"][-1]["content"]
+                reply = {"choices": [{"message": {"role": "assistant", "content": f"[{len(body['messages'])}] {last[::-1]}"},
+                                      "finish_reason": "stop"}], "usage": {"completion_tokens": 5}}
+                data = json.dumps(reply).encode() if status == 200 else b'{"error": "bad model"}'
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = HTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.timeout = 0.2
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.deadline = time.monotonic() + lifetime
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while not self.stopped.is_set() and time.monotonic() < self.deadline:
+            self.httpd.handle_request()
+        self.httpd.server_close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stopped.set()
+        self.thread.join(timeout=5)
+
+
+def test_endpoint_backend(tmp_path):
+    data = write_jsonl(tmp_path / "in.jsonl", RECORDS)
+    with _Server() as server:
+        summary = regenerate("smollm2-135m", [data], tmp_path / "out", endpoint=server.url, max_new_tokens=7,
+                             batch_size=2)
+    chats = read_chats(tmp_path / "out")
+    assert summary["backend"] == "endpoint" and summary["kept"] == 4 and summary["new_tokens"] == 25
+    assert chats[0]["messages"][1]["content"] == "[1] .ruoloc a emaN"
+    assert chats[1]["messages"][2]["content"] == "[2] ?2 + 2 si tahW"
+    two = chats[2]["messages"]
+    assert two[1]["content"] == "[1] ereht iH" and two[3]["content"] == "[3] erom em lleT"
+    assert len(server.requests) == 5
+    assert {r["path"] for r in server.requests} == {"/v1/chat/completions"}
+    assert all(r["model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and r["max_tokens"] == 7 for r in server.requests)
+    # the second turn was asked with the regenerated first answer, never the original
+    second = next(r for r in server.requests if len(r["messages"]) == 3)
+    assert second["messages"][1]["content"] == "[1] ereht iH"
+
+
+def test_endpoint_errors_are_one_sentence(tmp_path):
+    data = write_jsonl(tmp_path / "in.jsonl", RECORDS[:1])
+    with _Server(status=400) as server, pytest.raises(UserError, match="HTTP 400"):
+        regenerate("m", [data], tmp_path / "out", endpoint=server.url)
+    assert chat_completions_url("http://h:8000/v1") == "http://h:8000/v1/chat/completions"
+    assert chat_completions_url("http://h:8000/") == "http://h:8000/v1/chat/completions"
+
+
+def test_cli(tmp_path, tiny_llama_dir):
+    data = write_jsonl(tmp_path / "in.jsonl", RECORDS[:2])
+    rc = main(["regenerate", "--verifier", str(tiny_llama_dir), "--data", str(data), "--out", str(tmp_path / "o"),
+               "--max-new-tokens", "4", "--batch-size", "2"])
+    assert rc == 0 and len(read_chats(tmp_path / "o")) == 2
