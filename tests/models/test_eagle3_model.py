@@ -234,6 +234,28 @@ def test_llama3_rope_scaling_builds():
     assert torch.isclose(draft.rotary.inv_freq[-1], plain.rotary.inv_freq[-1] / 8.0)
 
 
+@pytest.mark.parametrize("rope_scaling", [
+    None,
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+], ids=["default", "linear", "llama3", "yarn"])
+def test_rope_matches_hugging_face(rope_scaling):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=32, max_position_embeddings=256,
+                      rope_theta=5e5, rope_scaling=rope_scaling)
+    kw = draft_kwargs_from_verifier(cfg, 10)
+    ours = Eagle3Draft(**{**kw, "vocab_size": 20, "intermediate_size": 8}).rotary
+    pos = torch.arange(200)[None]
+    cos, sin = LlamaRotaryEmbedding(cfg)(torch.zeros(1, 200, 64), pos)
+    got_cos, got_sin = ours(pos, torch.float32)
+    torch.testing.assert_close(got_cos, cos, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got_sin, sin, atol=1e-6, rtol=0)
+
+
 def test_save_load_round_trip(tmp_path, tiny_draft):
     meta = {"aux_layer_ids": [2, 4, 5], "verifier": {"name_or_path": "x", "architectures": ["LlamaForCausalLM"],
                                                      "hidden_size": HIDDEN, "vocab_size": VOCAB}}

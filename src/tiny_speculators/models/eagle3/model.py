@@ -110,6 +110,7 @@ class Rotary(nn.Module):
             cfg = PretrainedConfig()
             cfg.rope_parameters = {**params, "rope_type": rope_type, "rope_theta": theta}
             cfg.head_dim = head_dim
+            cfg.hidden_size, cfg.num_attention_heads = head_dim, 1  # some init functions derive head_dim
             cfg.max_position_embeddings = max_position_embeddings
             cfg.partial_rotary_factor = 1.0
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
