@@ -79,3 +79,9 @@ def wrap_model(causal_lm, style: str):
 @pytest.fixture
 def wrap():
     return wrap_model
+
+
+@pytest.fixture(scope="session")
+def prepared_factory():
+    """``make_prepared(path, verifier, vocab_size, lengths, seed=0, summary_vocab=None)``."""
+    return make_prepared

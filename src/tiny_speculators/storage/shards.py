@@ -8,6 +8,7 @@ then is it listed in the rank's part file (see :mod:`tiny_speculators.storage.ma
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import queue
 import threading
@@ -88,8 +89,9 @@ class ShardWriter:
 
     def _write(self, index: int, start: int, end: int, samples: list[dict[str, torch.Tensor]]) -> None:
         tensors = encode_shard(self.layout, self.n_aux, samples)
-        data = save(tensors, metadata={"index": str(index), "start": str(start), "end": str(end),
-                                       "layout": self.layout.name})
+        # one metadata key: safetensors writes a map's keys in random order, and shard bytes must be reproducible
+        about = json.dumps({"index": index, "start": start, "end": end, "layout": self.layout.name}, sort_keys=True)
+        data = save(tensors, metadata={"tiny_speculators": about})
         name = shard_name(index)
         write_bytes_atomic(self.out / name, data)
         entry = {"index": index, "file": name, "start": start, "end": end,
