@@ -58,6 +58,16 @@ API::
              loss_normalizer [K] | None = None) -> TTTOutput(loss, loss_sums [K], metrics)
 
 ``attention="auto"`` picks flex on CUDA and sdpa elsewhere (torch has no flex backward on CPU).
+Tiny CPU run (random draft and verifier head; prints the logged metrics)::
+
+    python -c "import torch; from tiny_speculators.models.eagle3.model import Eagle3Draft; \
+from tiny_speculators.models.eagle3.ttt import ttt_step, summarize_metrics; \
+d = Eagle3Draft(vocab_size=100, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16, \
+intermediate_size=64, draft_vocab_size=100); w = torch.randn(100, 32); ids = torch.randint(0, 100, (2, 16)); \
+out = ttt_step(d, input_ids=ids, aux_hidden_states=torch.randn(2, 16, 96), last_hidden_state=torch.randn(2, 16, 32), \
+loss_mask=torch.ones(2, 16), target_head=lambda h: h @ w.T, steps=3, decay=0.8); \
+out.loss.backward(); print(summarize_metrics(out.metrics, 0.8))"
+
 Give either ``last_hidden_state`` + ``target_head`` or precomputed ``target_logits``. Right padding
 is fine (give padded positions loss_mask 0); left padding is not.
 """
