@@ -81,6 +81,8 @@ def reference_forward(sd: dict, kw: dict, ids, hidden, pos):
             scores = scores.masked_fill(torch.ones(t, t).triu(1).bool(), float("-inf"))
             out[bi, :, h * d:(h + 1) * d] = torch.softmax(scores, dim=-1) @ vh
     a = out @ sd[L + "self_attn.o_proj.weight"].T
+    if kw.get("attention_bias"):
+        a = a + sd[L + "self_attn.o_proj.bias"]
     # post_attention_layernorm with fused residual add: residual <- a + residual; x <- norm(residual)
     residual = a + residual
     xn = _rms(residual, sd[L + "post_attention_layernorm.weight"], eps)

@@ -144,7 +144,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(2 * hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(2 * hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(2 * hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)  # vLLM: bias_o_proj = attention_bias
         if qk_norm:  # Qwen3: RMSNorm over each head's dim, before RoPE
             self.q_norm = RMSNorm(head_dim, eps)
             self.k_norm = RMSNorm(head_dim, eps)
@@ -218,7 +218,7 @@ class Eagle3Draft(nn.Module):
         target_hidden_size: verifier hidden size Ht (default H); ``fc`` takes ``num_aux * Ht``.
         num_aux: number of verifier layers whose states are fused (3 in EAGLE-3).
         rms_norm_eps, rope_parameters, max_position_embeddings: as in the verifier's config.
-        attention_bias: biases on q/k/v (vLLM's ``attention_bias``).
+        attention_bias: biases on q/k/v/o projections (vLLM's and HF Llama's ``attention_bias``).
         layer_type: "llama" (default) or "qwen3" (adds per-head ``q_norm``/``k_norm``).
         norm_before_residual: residual is ``hidden_norm(h)`` instead of ``h`` (vLLM flag).
         norm_before_fc: one RMSNorm (``input_norm``) over the whole ``num_aux * Ht`` input of ``fc``.
