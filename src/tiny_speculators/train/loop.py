@@ -220,7 +220,7 @@ def train_loop(*, cfg: LoopConfig, info: D.DistInfo, model: nn.Module, optimizer
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acc'][0]:.3f}",
                                 tok_s=f"{tok.item() / max(dt, 1e-9):.0f}")
             done = state.step >= cfg.max_steps
-            if cfg.eval_every > 0 and (state.step % cfg.eval_every == 0 or done) and val_idx:
+            if val_idx and (done or (cfg.eval_every > 0 and state.step % cfg.eval_every == 0)):
                 last_val = evaluate(model, source, val_idx, lengths, cfg, info)
                 logger.log(state.step, {f"val/{k}": v for k, v in last_val.items()})
                 if state.best_accept is None or last_val["accept_len"] > state.best_accept:

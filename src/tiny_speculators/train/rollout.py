@@ -22,18 +22,20 @@ class TTTModule(nn.Module):
     """``forward(batch, loss_normalizer) -> TTTOutput`` for ``draft`` (the only registered submodule)."""
 
     def __init__(self, draft: nn.Module, target_head: nn.Module, steps: int, decay: float, attention: str,
-                 chunk_size: int = 1024) -> None:
+                 chunk_size: int = 1024, checkpoint: bool = True) -> None:
         super().__init__()
         self.draft = draft
         self._head = (target_head,)  # a tuple hides it from parameters()/state_dict()/DDP broadcast
         self.steps, self.decay, self.attention, self.chunk_size = steps, decay, attention, chunk_size
+        self.checkpoint = checkpoint  # recompute draft logits blocks in backward (ttt_step's memory saver)
 
     def forward(self, batch: dict[str, Any], loss_normalizer: torch.Tensor | None = None) -> TTTOutput:
         return ttt_step(
             self.draft, input_ids=batch["input_ids"], aux_hidden_states=batch["aux_hidden_states"],
             loss_mask=batch["loss_mask"], last_hidden_state=batch["last_hidden_state"], target_head=self._head[0],
             position_ids=batch["position_ids"], document_ids=batch.get("document_ids"), steps=self.steps,
-            decay=self.decay, attention=self.attention, chunk_size=self.chunk_size, loss_normalizer=loss_normalizer,
+            decay=self.decay, attention=self.attention, chunk_size=self.chunk_size, checkpoint=self.checkpoint,
+            loss_normalizer=loss_normalizer,
         )
 
 
