@@ -122,8 +122,9 @@ class _Server:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append({"path": self.path, **body})
                 last = body["messages"][-1]["content"]
-                reply = {"choices": [{"message": {"role": "assistant", "content": f"[{len(body['messages'])}] {last[::-1]}"},
-                                      "finish_reason": "stop"}], "usage": {"completion_tokens": 5}}
+                content = f"[{len(body['messages'])}] {last[::-1]}"
+                reply = {"choices": [{"message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+                         "usage": {"completion_tokens": 5}}
                 data = json.dumps(reply).encode() if status == 200 else b'{"error": "bad model"}'
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")

@@ -260,13 +260,17 @@ def _load_partial(out: Path, settings: dict[str, Any], resume: bool) -> dict[str
     if resume and partial.is_file() and settings_file.is_file():
         if json.loads(settings_file.read_text(encoding="utf-8")) == settings:
             done: dict[str, dict[str, Any]] = {}
+            raw = partial.read_bytes()
+            if raw and not raw.endswith(b"\n"):  # a torn last line from an interrupted run: cut it off
+                with partial.open("r+b") as f:
+                    f.truncate(raw.rfind(b"\n") + 1)
             with partial.open(encoding="utf-8") as f:
                 for line in f:
                     try:
                         rec = json.loads(line)
                         done[rec["id"]] = rec
                     except (json.JSONDecodeError, KeyError, TypeError):
-                        continue  # a torn last line from an interrupted run
+                        continue
             log.info("resuming: %d records already regenerated in %s", len(done), partial)
             return done
         log.warning("generation settings changed since %s was written: starting over", partial)
