@@ -205,7 +205,11 @@ def import_draft(
         state = sglang.normalize_state(raw_state)
         if "fc.weight" not in state or "lm_head.weight" not in state:
             raise UserError(f"{directory} ({sglang.ARCHITECTURE} format) lacks fc.weight or lm_head.weight")
-        kwargs = sglang.draft_kwargs(cfg, state["lm_head.weight"].shape[0], state["fc.weight"].shape[1])
+        rows = int(state["lm_head.weight"].shape[0])
+        if cfg.get("draft_vocab_size") not in (None, rows):
+            raise UserError(f"{directory}/config.json has draft_vocab_size {cfg['draft_vocab_size']} but "
+                            f"lm_head.weight has {rows} rows")
+        kwargs = sglang.draft_kwargs(cfg, rows, state["fc.weight"].shape[1])
         aux = None
         recorded = {"name_or_path": None, "architectures": [], "hidden_size": kwargs["target_hidden_size"],
                     "vocab_size": kwargs["vocab_size"]}
