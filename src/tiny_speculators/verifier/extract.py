@@ -198,7 +198,7 @@ def extract(
         max_tokens_per_batch: token budget per forward pass (batch size x longest sequence, padding included).
         shard_mb: approximate size of one shard file in MB.
         world_size: number of processes sharing the work (default: $WORLD_SIZE or 1).
-        rank: this process's rank (default: $RANK or 0); shard k is written by rank k % world_size.
+        rank: this process's rank (default: $RANK or 0); shard k is written by rank (k mod world_size).
         verify: check every shard (sha256, shapes) of this finished extraction folder instead of extracting.
         trust_remote_code: allow the verifier's own modeling code from the hub.
         progress: show a progress bar with tokens/s.
@@ -253,8 +253,9 @@ def extract(
         "vocab_size": int(getattr(config, "vocab_size", None) or parts.lm_head.weight.shape[0]),
         "dtype": dtype, "layout": store.name, "topk": store.topk or None,
         "layer_paths": {"layers": parts.layers_name, "norm": parts.norm_name, "lm_head": parts.lm_head_name},
-        "dataset": {"path": str(data.resolve()), "fingerprint": getattr(dataset, "_fingerprint", None),
-                    "samples": len(lengths), "tokens": int(sum(lengths))},
+        # not the path: nodes may mount shared storage at different places
+        "dataset": {"fingerprint": getattr(dataset, "_fingerprint", None), "samples": len(lengths),
+                    "tokens": int(sum(lengths))},
     }
     out.mkdir(parents=True, exist_ok=True)
     init_plan(out, settings, plan)
@@ -305,7 +306,7 @@ def extract(
         "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 and tokens else 0.0,
         "bytes_per_token": round(nbytes / tokens, 1) if tokens else round(float(per_token), 1),
         "shards_written": len(written), "shards_total": len(plan), "complete": manifest is not None,
-        "layout": store.name, "dtype": dtype, "device": device, "aux_layer_ids": aux_ids,
+        "layout": store.name, "dtype": dtype, "device": device, "aux_layer_ids": aux_ids, "data": str(data),
     }
     if manifest is not None:
         summary.update({"total_samples": manifest["samples"], "total_tokens": manifest["tokens"],
