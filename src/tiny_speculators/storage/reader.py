@@ -82,10 +82,14 @@ class HiddenStateReader:
         return opened
 
     def lengths(self) -> list[int]:
-        """Token count of every sample (reads only the small offset tensors)."""
+        """Token count of every sample, for length-bucketed batching.
+
+        Reads only each shard's header and small offset tensor (no checksum pass over the data: that
+        happens, as always, when a shard's samples are first read)."""
         out: list[int] = []
-        for k in range(len(self._shards)):
-            offsets = self._shard(k)[1]
+        for k, entry in enumerate(self._shards):
+            offsets = self._open[k][1] if k in self._open else open_shard(
+                self.directory, entry, self.manifest, check_sha=False)[1]
             out.extend((offsets[1:] - offsets[:-1]).tolist())
         return out
 
