@@ -1,0 +1,176 @@
+"""``pipeline``: end to end on a tiny verifier; skip on rerun, change detection, --from/--until, README commands."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tiny_speculators.cli import StageNotBuilt, load_stage, main
+from tiny_speculators.errors import UserError
+from tiny_speculators.pipeline import STAGE_ORDER, pipeline, plan_pipeline, vllm_serve_command
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ROOT / "src" / "tiny_speculators" / "resources" / "prompts" / "train.jsonl"
+
+# per-stage options that make any config run in seconds on a tiny verifier
+SHORT: dict[str, dict] = {
+    "regenerate": {"max_new_tokens": 6, "batch_size": 4, "max_records": 6},
+    "prepare": {"max_length": 96},
+    "vocab": {"size": 256},
+    "extract": {"progress": False},
+    "train": {"max_steps": 2, "epochs": 1, "save_every": 1, "eval_every": 0, "batch_tokens": None, "pack": False,
+              "batch_size": 2, "progress": False, "warmup_steps": 0},
+    "export": {},
+    "evaluate": {"max_new_tokens": 6, "max_prompts": 1, "k": 2},
+}
+
+
+def _stages_built() -> list[str]:
+    missing = []
+    for name in STAGE_ORDER:
+        try:
+            load_stage(name)
+        except StageNotBuilt:
+            missing.append(name)
+    return missing
+
+
+def shorten(config: dict, verifier: Path, run_dir: Path) -> dict:
+    """The same pipeline on a tiny verifier with every stage cut short."""
+    out = {"run_dir": str(run_dir), "verifier": str(verifier)}
+    for name in STAGE_ORDER:
+        if name in config:
+            section = {**(config[name] or {}), **SHORT[name]}
+            out[name] = {k: v for k, v in section.items() if v is not None}
+    return out
+
+
+@pytest.fixture
+def tiny_config(tmp_path, tiny_llama_dir) -> Path:
+    missing = _stages_built()
+    if missing:
+        pytest.skip(f"stages not built yet: {', '.join(missing)}")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(PROMPTS.read_text(encoding="utf-8").splitlines(keepends=True)[:6]), encoding="utf-8")
+    config = shorten({name: {} for name in STAGE_ORDER}, tiny_llama_dir, tmp_path / "run")
+    config["regenerate"]["data"] = [str(data)]
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    return path
+
+
+def _edit(path: Path, stage: str, **options) -> None:
+    config = yaml.safe_load(path.read_text())
+    config[stage].update(options)
+    path.write_text(yaml.safe_dump(config))
+
+
+def test_pipeline_end_to_end_skip_change_and_range(tiny_config, capsys):
+    first = pipeline(tiny_config)
+    run = Path(first["run_dir"])
+    assert first["actions"] == {name: "ran" for name in STAGE_ORDER}
+    manifest = json.loads((run / "pipeline.json").read_text())
+    assert all(manifest["stages"][n]["status"] == "done" for n in STAGE_ORDER)
+    for name in STAGE_ORDER:
+        assert (run / name / "summary.json").is_file(), name
+    assert first["acceptance_length"] >= 1.0 and len(first["per_position_acceptance"]) == 2
+    assert first["draft"] == str(run / "export")
+    assert first["serve"] == vllm_serve_command(str(Path(yaml.safe_load(tiny_config.read_text())["verifier"])),
+                                                run / "export", 2)
+    printed = capsys.readouterr().out
+    assert "vllm serve" in printed and '"method": "eagle3"' in printed and "τ" in printed
+
+    # nothing changed: nothing runs
+    mtimes = {n: (run / n / "summary.json").stat().st_mtime_ns for n in STAGE_ORDER}
+    again = pipeline(tiny_config)
+    assert again["actions"] == {name: "skipped" for name in STAGE_ORDER}
+    assert {n: (run / n / "summary.json").stat().st_mtime_ns for n in STAGE_ORDER} == mtimes
+
+    # a train option changed: train and everything downstream rerun, upstream is skipped
+    _edit(tiny_config, "train", lr=0.001)
+    changed = pipeline(tiny_config)
+    assert changed["actions"] == {"regenerate": "skipped", "prepare": "skipped", "vocab": "skipped",
+                                  "extract": "skipped", "train": "ran", "export": "ran", "evaluate": "ran"}
+
+    # --from/--until: only the selected range, earlier stages must be done, later ones become stale
+    ranged = pipeline(tiny_config, from_stage="export", until_stage="export")
+    assert ranged["actions"] == {"regenerate": "kept", "prepare": "kept", "vocab": "kept", "extract": "kept",
+                                 "train": "kept", "export": "ran"}
+    assert json.loads((run / "pipeline.json").read_text())["stages"]["evaluate"]["status"] == "stale"
+    assert pipeline(tiny_config)["actions"]["evaluate"] == "ran"
+
+    # an interrupted stage resumes (train gets resume=True) instead of starting over
+    manifest = json.loads((run / "pipeline.json").read_text())
+    manifest["stages"]["train"]["status"] = "running"
+    (run / "pipeline.json").write_text(json.dumps(manifest))
+    resumed = pipeline(tiny_config, until_stage="train")
+    assert resumed["actions"]["train"] == "resumed"
+
+    # a changed input file reruns everything from the first stage that reads it
+    data = Path(yaml.safe_load(tiny_config.read_text())["regenerate"]["data"][0])
+    data.write_text(data.read_text() + json.dumps({"messages": [{"role": "user", "content": "One more?"}]}) + "\n")
+    assert pipeline(tiny_config, until_stage="prepare")["actions"] == {"regenerate": "ran", "prepare": "ran"}
+
+
+def test_cli_and_config_errors(tiny_config, tmp_path):
+    assert main(["pipeline", "--config", str(tiny_config), "--until-stage", "prepare"]) == 0
+    assert json.loads((tmp_path / "run" / "pipeline.json").read_text())["stages"]["prepare"]["status"] == "done"
+    assert main(["pipeline", "--config", str(tiny_config), "--from-stage", "train"]) == 1  # vocab has not run
+    bad = yaml.safe_load(tiny_config.read_text())
+    bad["train"]["out"] = "elsewhere"
+    with pytest.raises(UserError, match="the pipeline sets it"):
+        plan_pipeline(bad)
+    bad = yaml.safe_load(tiny_config.read_text())
+    bad["train"]["no_such_option"] = 1
+    with pytest.raises(UserError, match="unknown option"):
+        plan_pipeline(bad)
+    bad = yaml.safe_load(tiny_config.read_text())
+    bad["train"]["online"] = True
+    with pytest.raises(UserError, match="no 'extract' section"):
+        plan_pipeline(bad)
+    del bad["extract"]
+    plan = plan_pipeline(bad)  # online: no extract stage, train reads the prepared data
+    assert "extract" not in plan.stages and plan.stages["train"].kwargs["data"] == Path(bad["run_dir"]) / "prepare"
+
+
+def _readme_commands(block: int) -> list[list[str]]:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    commands = []
+    for part in re.split(r"&&|;|\n", blocks[block]):
+        words = shlex.split(part)
+        if words and words[0] == "tiny-speculators":
+            commands.append(words[1:])
+    return commands
+
+
+@pytest.mark.slow
+def test_readme_first_command_entry_points(tmp_path, tiny_llama_dir, monkeypatch):
+    """The README's first command, with the same entry points on a tiny verifier and shortened configs."""
+    commands = _readme_commands(0)
+    assert commands, "the README's first code block runs no tiny-speculators command"
+    needed = {c[0] for c in commands}
+    missing = [s for s in _stages_built() if s in needed or "pipeline" in needed]
+    if missing:
+        pytest.skip(f"stages not built yet: {', '.join(missing)}")
+    monkeypatch.chdir(tmp_path)
+    for words in commands:
+        args = list(words)
+        if "--verifier" in args:
+            args[args.index("--verifier") + 1] = str(tiny_llama_dir)
+        for i, a in enumerate(args):  # inputs are read from the repository, outputs go to tmp_path
+            if a != "--config" and i > 0 and args[i - 1] in ("--data", "--prompts") and (ROOT / a).exists():
+                args[i] = str(ROOT / a)
+        if args[0] == "pipeline":
+            i = args.index("--config") + 1
+            config = yaml.safe_load((ROOT / args[i]).read_text(encoding="utf-8"))
+            short = shorten(config, tiny_llama_dir, tmp_path / "run")
+            short_path = tmp_path / Path(args[i]).name
+            short_path.write_text(yaml.safe_dump(short), encoding="utf-8")
+            args[i] = str(short_path)
+        assert main(args) == 0, words
