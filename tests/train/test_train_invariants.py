@@ -39,10 +39,6 @@ def _assert_same(a: dict, b: dict, atol: float = 2e-6) -> None:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=f"parameter {k}")
 
 
-def _changed(a: dict, b: dict) -> bool:
-    return any(not torch.equal(a[k], b[k]) for k in a if k.startswith(("fc", "layers")))
-
-
 def _cli(inputs, out: Path, *extra: str, torchrun: int = 0) -> list[str]:
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={torchrun}"] if torchrun else \
         [sys.executable]
@@ -54,10 +50,9 @@ def _cli(inputs, out: Path, *extra: str, torchrun: int = 0) -> list[str]:
 def test_grad_accum_equals_bigger_batch(tiny_inputs, tmp_path):
     train(**_common(tiny_inputs, tmp_path / "a", max_steps=2, batch_size=1, grad_accum=2))
     train(**_common(tiny_inputs, tmp_path / "b", max_steps=2, batch_size=2, grad_accum=1))
-    train(**_common(tiny_inputs, tmp_path / "c", max_steps=1, batch_size=2, grad_accum=1))
-    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
-    _assert_same(a, b)
-    assert _changed(b, _weights(tmp_path / "c"))  # the comparison is not vacuous: a second step moves weights
+    _assert_same(_weights(tmp_path / "a"), _weights(tmp_path / "b"))
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["grad_norm"] > 1e-3 for r in rows)  # not vacuous: both steps moved the weights (lr 1e-2, AdamW)
 
 
 def test_ddp_two_processes_equal_one(tiny_inputs, tmp_path):
