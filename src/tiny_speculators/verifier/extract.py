@@ -243,6 +243,8 @@ def extract(
     n_aux, hidden = len(aux_ids), parts.hidden_size
     per_token = bytes_per_token(store, n_aux, hidden, dtype)
     lengths = _lengths(dataset)
+    if not lengths:
+        raise UserError(f"prepared dataset {data} has no records")
     plan = plan_shards(lengths, max(1, int(shard_mb * 2**20 / per_token)))
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     settings = {
