@@ -25,3 +25,13 @@ def small_vocab_verifier(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("small-vocab")
     model.save_pretrained(path)
     return path
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Decoding runs many tiny ops: on a shared 2-core machine one intra-op thread is several times faster
+    than two (thread hand-offs stall under load). Restored after each test."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -47,3 +47,51 @@ class OracleProposer(Eagle3Proposer):
     def step(self, tokens, hidden, positions, mask=None):
         logits, hid = super().step(tokens, hidden, positions, mask)
         return self._oracle(logits, positions), hid
+
+
+def self_distilled_draft(model, aux_layer_ids, *, num_seqs=16, prompt_len=8, new_tokens=56, steps=200,
+                         ttt_steps=3, lr=3e-3, seed=0):
+    """Train a tiny draft on the verifier's own greedy continuations of random prompts (TTT loss).
+
+    Returns a dict: ``draft``, ``seqs`` [B, T] (prompt + greedy continuation), ``aux`` [B, T, n_aux*H],
+    ``prompt_len`` and ``metrics`` (teacher-forced TTT metrics of the final draft on that data)."""
+    from tiny_speculators.models.eagle3.loss import summarize_metrics
+    from tiny_speculators.models.eagle3.ttt import ttt_step
+    from tiny_speculators.verifier.capture import capture_hidden_states
+    from tiny_speculators.verifier.modules import find_parts
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    prompts = torch.randint(0, vocab, (num_seqs, prompt_len), generator=g)
+    with torch.no_grad():
+        seqs = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)  # (B, T)
+        aux, last = capture_hidden_states(model, seqs, torch.ones_like(seqs), aux_layer_ids)
+    aux, last = aux.clone(), last.clone()  # capture may run in inference mode
+    parts = find_parts(model)
+    with torch.no_grad():
+        target_logits = parts.lm_head(parts.norm(last))  # (B, T, V)
+    used = torch.unique(seqs)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[used] = True
+    d2t = used - torch.arange(len(used))
+    torch.manual_seed(seed)
+    kwargs = draft_kwargs_from_verifier(model.config, len(used))
+    draft = build_draft(kwargs, d2t, t2d, embed_weight=parts.embed_tokens.weight,
+                        lm_head_weight=parts.lm_head.weight)
+    loss_mask = torch.zeros_like(seqs)
+    loss_mask[:, prompt_len:] = 1
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    draft.train()
+    for _ in range(steps):
+        out = ttt_step(draft, input_ids=seqs, aux_hidden_states=aux, loss_mask=loss_mask,
+                       target_logits=target_logits, steps=ttt_steps, decay=0.8, checkpoint=False)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    draft.eval().requires_grad_(False)
+    with torch.no_grad():
+        out = ttt_step(draft, input_ids=seqs, aux_hidden_states=aux, loss_mask=loss_mask,
+                       target_logits=target_logits, steps=ttt_steps, checkpoint=False)
+    return {"draft": draft, "seqs": seqs, "aux": aux, "prompt_len": prompt_len,
+            "metrics": summarize_metrics(out.metrics)}

@@ -1,0 +1,99 @@
+"""Evaluation prompts: built-in held-out sets (chat, code, math) and user JSONL files.
+
+A JSONL line is ``{"prompt": "..."}`` (one user turn) or ``{"messages": [{"role": ..., "content": ...}, ...]}``
+(ending with a user turn), optionally with an ``"id"``. Prompts are rendered with the verifier's chat template
+and ``add_generation_prompt=True``.
+
+    from tiny_speculators.evaluate.prompts import load_prompts
+    prompts = load_prompts("builtin", max_prompts=6)   # round-robin over chat, code, math
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from importlib import resources
+from itertools import zip_longest
+from pathlib import Path
+from typing import Any
+
+from tiny_speculators.errors import UserError
+
+__all__ = ["BUILTIN_SETS", "Prompt", "load_prompts", "render_prompt"]
+
+log = logging.getLogger(__name__)
+
+BUILTIN_SETS = ("chat", "code", "math")
+
+
+@dataclass
+class Prompt:
+    id: str
+    messages: list[dict[str, Any]]
+
+
+def _parse_line(line: str, where: str, default_id: str) -> Prompt:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where} is not valid JSON ({e.msg})") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{where} must be a JSON object with 'prompt' or 'messages'")
+    if isinstance(record.get("prompt"), str):
+        messages = [{"role": "user", "content": record["prompt"]}]
+    elif isinstance(record.get("messages"), list) and record["messages"]:
+        messages = record["messages"]
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                   for m in messages):
+            raise UserError(f"{where}: every message needs string 'role' and 'content'")
+        if messages[-1]["role"] == "assistant":
+            raise UserError(f"{where}: the last message is an assistant turn; a prompt must end with a user turn")
+    else:
+        raise UserError(f"{where} has neither a 'prompt' string nor a non-empty 'messages' list")
+    return Prompt(id=str(record.get("id", default_id)), messages=messages)
+
+
+def _read_jsonl(text: str, source: str) -> list[Prompt]:
+    prompts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            prompts.append(_parse_line(line, f"{source} line {n}", f"{Path(source).stem}-{n}"))
+    if not prompts:
+        raise UserError(f"{source} holds no prompts")
+    return prompts
+
+
+def _builtin(name: str) -> list[Prompt]:
+    text = (resources.files("tiny_speculators") / "resources" / "eval_prompts" / f"{name}.jsonl").read_text("utf-8")
+    return _read_jsonl(text, f"{name}.jsonl")
+
+
+def load_prompts(spec: str, max_prompts: int | None = None) -> list[Prompt]:
+    """``spec``: "builtin" (all built-in sets, interleaved), a set name ("chat", "code", "math"; several
+    joined by commas), or the path of a JSONL file."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        prompts = _read_jsonl(path.read_text("utf-8"), str(path))
+    else:
+        names = list(BUILTIN_SETS) if spec in ("builtin", "all") else [s.strip() for s in spec.split(",")]
+        unknown = [n for n in names if n not in BUILTIN_SETS]
+        if unknown:
+            raise UserError(f"prompts {spec!r} is neither a file nor a built-in set "
+                            f"(builtin, {', '.join(BUILTIN_SETS)})")
+        sets = [_builtin(n) for n in names]
+        prompts = [p for group in zip_longest(*sets) for p in group if p is not None]
+    if max_prompts is not None:
+        if max_prompts < 1:
+            raise UserError(f"max_prompts must be at least 1, not {max_prompts}")
+        prompts = prompts[:max_prompts]
+    return prompts
+
+
+def render_prompt(prompt: Prompt, tokenizer) -> list[int]:
+    """Token ids of ``prompt`` under the verifier's chat template, ready for the assistant's answer."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    log.warning("the verifier's tokenizer has no chat template: prompt %s is encoded as plain text", prompt.id)
+    return tokenizer("\n".join(m["content"] for m in prompt.messages))["input_ids"]

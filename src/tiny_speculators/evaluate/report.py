@@ -1,0 +1,117 @@
+"""Acceptance metrics (vLLM ``SpecDecodingStats`` definitions), the terminal table, results.json and a plot.
+
+Definitions (one "draft" = one verification forward of the verifier, prefill excluded):
+``acceptance_length = 1 + accepted_tokens / drafts`` (tokens committed per verification forward, the
+bonus/replacement token included: SGLang's / EAGLE's tau), ``per_position_acceptance[i] =
+(drafts whose first i+1 draft tokens were all accepted) / drafts``, ``draft_acceptance_rate =
+accepted_tokens / draft_tokens``. Accepted counts are taken before truncation at EOS / max_new_tokens,
+as vLLM counts them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["acceptance_metrics", "print_table", "save_plot", "write_json"]
+
+
+def acceptance_metrics(accepted: list[int], proposed: list[int], positions: int) -> dict[str, Any]:
+    """Aggregate per-verification-step accepted / proposed counts into vLLM-style metrics."""
+    drafts = len(accepted)
+    total = sum(accepted)
+    per_pos = [sum(1 for a in accepted if a > i) for i in range(positions)]
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": sum(proposed),
+        "num_accepted_tokens": total,
+        "num_accepted_tokens_per_pos": per_pos,
+        "acceptance_length": 1.0 + total / drafts if drafts else None,
+        "per_position_acceptance": [c / drafts for c in per_pos] if drafts else [None] * positions,
+        "draft_acceptance_rate": total / sum(proposed) if sum(proposed) else None,
+    }
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Atomic JSON write (temp file + os.replace)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    """The stage's final summary on the terminal (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"speculative decoding: {summary['mode']}", show_header=True)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("prompts", summary["num_prompts"]),
+        ("acceptance length τ", summary["acceptance_length"]),
+        ("draft acceptance rate", summary["draft_acceptance_rate"]),
+        ("drafts (verifier forwards)", summary["num_drafts"]),
+        ("draft tokens proposed / accepted", f"{summary['num_draft_tokens']} / {summary['num_accepted_tokens']}"),
+        ("tokens generated", summary["tokens_generated"]),
+        ("tokens/s with draft", summary["tokens_per_second"]),
+        ("tokens/s verifier alone", summary.get("baseline_tokens_per_second")),
+        ("speed-up", summary.get("speedup")),
+    ]
+    if summary.get("matches_baseline") is not None:
+        rows.append(("greedy output == verifier alone", summary["matches_baseline"]))
+    for name, value in rows:
+        table.add_row(name, _fmt(value, 2) if isinstance(value, float) else _fmt(value))
+    for i, rate in enumerate(summary["per_position_acceptance"]):
+        table.add_row(f"acceptance at position {i + 1}", _fmt(rate))
+    Console().print(table)
+
+
+def save_plot(path: Path, per_position: list[float | None], per_prompt_tau: list[tuple[str, float | None]],
+              title: str) -> None:
+    """PNG: per-position acceptance (left) and τ per prompt (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    xs = list(range(1, len(per_position) + 1))
+    ax1.bar(xs, [r or 0.0 for r in per_position], color="tab:blue")
+    ax1.set_xlabel("draft position")
+    ax1.set_ylabel("acceptance rate")
+    ax1.set_ylim(0, 1)
+    ax1.set_xticks(xs)
+    ax1.set_title("per-position acceptance")
+    names = [n for n, _ in per_prompt_tau]
+    ax2.bar(range(len(names)), [t or 0.0 for _, t in per_prompt_tau], color="tab:orange")
+    ax2.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
+    ax2.set_xticks(range(len(names)))
+    ax2.set_xticklabels(names, rotation=70, fontsize=7)
+    ax2.set_ylabel("τ (tokens per verifier forward)")
+    ax2.set_title("acceptance length per prompt")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)

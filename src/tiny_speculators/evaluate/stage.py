@@ -1,0 +1,204 @@
+"""The ``evaluate`` stage: real speculative decoding in-process with Hugging Face ``transformers``.
+
+Loads the verifier and a draft (our checkpoint, a train output folder, or an exported speculators /
+SGLang folder), generates an answer to each prompt with draft + verifier (chain of ``k`` tokens or an
+EAGLE-2 dynamic tree), times the verifier alone on the same prompts, and writes ``results.json``,
+``summary.json`` and ``acceptance.png`` into ``out``. Tiny CPU run on the embedded verifier::
+
+    tiny-speculators evaluate --verifier smollm2-135m --draft runs/train/final --prompts chat \
+        --out runs/eval --max-prompts 3 --max-new-tokens 32
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiny_speculators.errors import UserError
+from tiny_speculators.evaluate.decoding import (
+    DecodeResult,
+    Eagle3Proposer,
+    TreeParams,
+    autoregressive_generate,
+    speculative_generate,
+)
+from tiny_speculators.evaluate.prompts import load_prompts, render_prompt
+from tiny_speculators.evaluate.report import acceptance_metrics, print_table, save_plot, write_json
+from tiny_speculators.evaluate.sampling import SamplingParams
+from tiny_speculators.evaluate.target import TargetRunner
+
+__all__ = ["evaluate"]
+
+log = logging.getLogger(__name__)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def evaluate(
+    verifier: str,
+    draft: Path,
+    out: Path,
+    prompts: str = "builtin",
+    k: int = 4,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    tree: bool = False,
+    tree_depth: int = 5,
+    tree_topk: int = 4,
+    tree_total_tokens: int = 24,
+    dtype: str = "float32",
+    device: str = "cpu",
+    seed: int = 0,
+    baseline: bool = True,
+    max_prompts: int | None = None,
+    trust_remote_code: bool = False,
+) -> dict[str, Any]:
+    """Measure a draft with real speculative decoding against its verifier.
+
+    Args:
+        verifier: the verifier: an embedded name (smollm2-135m), a local folder or a Hugging Face id.
+        draft: a draft folder: our checkpoint (draft_config.json), a train output folder, or an exported
+            speculators / SGLang EAGLE-3 folder.
+        out: output folder for results.json, summary.json and acceptance.png.
+        prompts: a built-in set (builtin = all, chat, code, math) or a JSONL file of {"prompt"} / {"messages"}.
+        k: draft tokens per verification step (chain mode).
+        max_new_tokens: generation length limit per prompt (generation also stops at EOS).
+        temperature: 0 = greedy; > 0 samples, with rejection sampling keeping the verifier's distribution.
+        top_p: nucleus sampling threshold (1 = off).
+        top_k: top-k sampling filter (0 = off).
+        tree: draft an EAGLE-2 dynamic tree instead of a chain, verified in one forward with a tree mask.
+        tree_depth: tree levels (longest draft).
+        tree_topk: children per expanded node and nodes expanded per level.
+        tree_total_tokens: draft nodes sent to the verifier per step (root excluded).
+        dtype: verifier and draft dtype (float32, bfloat16, float16).
+        device: torch device (cpu, cuda, cuda:1, ...).
+        seed: seed for sampling (prompt i uses seed + i).
+        baseline: also time the verifier alone on the same prompts (the speed-up denominator).
+        max_prompts: evaluate only the first N prompts.
+        trust_remote_code: allow custom modelling code of the verifier.
+    """
+    from tiny_speculators.export.importers import import_draft
+    from tiny_speculators.verifier.capture import default_aux_layer_ids
+    from tiny_speculators.verifier.load import load_verifier, parse_dtype, verifier_id
+
+    if k < 1:
+        raise UserError(f"k must be at least 1, not {k}")
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+    if tree and (tree_depth < 1 or tree_topk < 1 or tree_total_tokens < 1):
+        raise UserError("tree_depth, tree_topk and tree_total_tokens must all be at least 1")
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    tree_params = TreeParams(tree_depth, tree_topk, tree_total_tokens) if tree else None
+    torch_dtype = parse_dtype(dtype)
+    prompt_list = load_prompts(prompts, max_prompts)
+
+    model, tokenizer = load_verifier(verifier, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code)
+    draft_model, config = import_draft(draft, verifier=verifier, device=device, dtype=torch_dtype)
+    draft_model.eval().requires_grad_(False)
+    n_layers = model.config.get_text_config().num_hidden_layers
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if draft_model.embed_tokens.num_embeddings != vocab:
+        raise UserError(f"draft {draft} was built for a vocabulary of {draft_model.embed_tokens.num_embeddings} "
+                        f"tokens, verifier {verifier} has {vocab}")
+    aux_layer_ids = config.get("aux_layer_ids") or default_aux_layer_ids(n_layers)
+    if not config.get("aux_layer_ids"):
+        log.warning("draft %s records no aux layer ids; using the EAGLE-3 default %s", draft, aux_layer_ids)
+    if len(aux_layer_ids) != draft_model.num_aux:
+        raise UserError(f"draft {draft} fuses {draft_model.num_aux} verifier layers but records aux layer ids "
+                        f"{aux_layer_ids}")
+    target = TargetRunner(model, list(aux_layer_ids))
+    proposer = Eagle3Proposer(draft_model)
+    eos = _eos_ids(model, tokenizer)
+    encoded = [render_prompt(p, tokenizer) for p in prompt_list]
+
+    # warm-up (lazy allocations, kernel selection) so the first timed prompt is not penalised
+    speculative_generate(target, proposer, encoded[0], k=k, max_new_tokens=min(4, max_new_tokens), params=params,
+                         eos_ids=eos, tree=tree_params, generator=torch.Generator().manual_seed(seed))
+    if baseline:
+        autoregressive_generate(target, encoded[0], max_new_tokens=min(4, max_new_tokens), params=params, eos_ids=eos,
+                                generator=torch.Generator().manual_seed(seed))
+
+    positions = tree_depth if tree else k
+    per_prompt: list[dict[str, Any]] = []
+    spec_results: list[DecodeResult] = []
+    base_results: list[DecodeResult] = []
+    t_start = time.perf_counter()
+    for i, (prompt, ids) in enumerate(zip(prompt_list, encoded, strict=True)):
+        res = speculative_generate(target, proposer, ids, k=k, max_new_tokens=max_new_tokens, params=params,
+                                   eos_ids=eos, tree=tree_params, generator=torch.Generator().manual_seed(seed + i))
+        spec_results.append(res)
+        entry: dict[str, Any] = {
+            "id": prompt.id, "messages": prompt.messages, "prompt_tokens": len(ids),
+            "tokens": res.tokens, "text": tokenizer.decode(res.tokens, skip_special_tokens=True),
+            "seconds": res.seconds, "verifier_forwards": res.verifier_forwards,
+            **acceptance_metrics(res.accepted, res.proposed, positions),
+        }
+        if baseline:
+            base = autoregressive_generate(target, ids, max_new_tokens=max_new_tokens, params=params, eos_ids=eos,
+                                           generator=torch.Generator().manual_seed(seed + i))
+            base_results.append(base)
+            entry["baseline_seconds"] = base.seconds
+            entry["baseline_tokens"] = len(base.tokens)
+            if params.greedy:
+                entry["matches_baseline"] = base.tokens == res.tokens
+                if not entry["matches_baseline"]:
+                    log.warning("prompt %s: greedy output differs from the verifier alone (numerical ties in "
+                                "%s?)", prompt.id, dtype)
+        per_prompt.append(entry)
+        log.info("prompt %d/%d %s: %d tokens, tau %.2f, %.1f tok/s", i + 1, len(prompt_list), prompt.id,
+                 len(res.tokens), entry["acceptance_length"] or 1.0, len(res.tokens) / max(res.seconds, 1e-9))
+    target.close()
+
+    metrics = acceptance_metrics([a for r in spec_results for a in r.accepted],
+                                 [p for r in spec_results for p in r.proposed], positions)
+    generated = sum(len(r.tokens) for r in spec_results)
+    seconds = sum(r.seconds for r in spec_results)
+    summary: dict[str, Any] = {
+        "verifier": verifier, "verifier_id": verifier_id(verifier), "draft": str(draft),
+        "draft_format": config.get("source", {}).get("format"), "aux_layer_ids": list(aux_layer_ids),
+        "prompts": prompts, "num_prompts": len(prompt_list),
+        "mode": (f"tree (depth {tree_depth}, topk {tree_topk}, {tree_total_tokens} tokens)" if tree
+                 else f"chain (k={k})"),
+        "k": None if tree else k, "tree": ({"depth": tree_depth, "topk": tree_topk, "total_tokens": tree_total_tokens}
+                                           if tree else None),
+        "temperature": temperature, "top_p": top_p, "top_k": top_k, "max_new_tokens": max_new_tokens,
+        "dtype": dtype, "device": device, "seed": seed,
+        **metrics,
+        "tokens_generated": generated, "seconds": seconds,
+        "tokens_per_second": generated / seconds if seconds else None,
+        "tokens_per_verifier_forward_incl_prefill": generated / sum(r.verifier_forwards for r in spec_results),
+        "wall_seconds": time.perf_counter() - t_start,
+    }
+    if baseline:
+        base_tokens = sum(len(r.tokens) for r in base_results)
+        base_seconds = sum(r.seconds for r in base_results)
+        summary["baseline_tokens_per_second"] = base_tokens / base_seconds if base_seconds else None
+        summary["speedup"] = (summary["tokens_per_second"] / summary["baseline_tokens_per_second"]
+                              if summary["baseline_tokens_per_second"] else None)
+        summary["matches_baseline"] = (all(e["matches_baseline"] for e in per_prompt) if params.greedy else None)
+    else:
+        summary["baseline_tokens_per_second"] = summary["speedup"] = summary["matches_baseline"] = None
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "results.json", {**summary, "per_prompt": per_prompt})
+    write_json(out / "summary.json", summary)
+    save_plot(out / "acceptance.png", summary["per_position_acceptance"],
+              [(e["id"], e["acceptance_length"]) for e in per_prompt],
+              f"{Path(str(draft)).name} on {verifier_id(verifier)}: τ = {summary['acceptance_length'] or 1:.2f}")
+    print_table(summary)
+    return summary
