@@ -80,6 +80,7 @@ def test_pipeline_end_to_end_skip_change_and_range(tiny_config, capsys):
         assert (run / name / "summary.json").is_file(), name
     assert first["acceptance_length"] >= 1.0 and len(first["per_position_acceptance"]) == 2
     assert first["draft"] == str(run / "export")
+    assert json.loads((run / "summary.json").read_text())["actions"] == first["actions"]
     assert first["serve"] == vllm_serve_command(str(Path(yaml.safe_load(tiny_config.read_text())["verifier"])),
                                                 run / "export", 2)
     printed = capsys.readouterr().out

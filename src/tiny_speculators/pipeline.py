@@ -280,6 +280,7 @@ def _load_manifest(path: Path) -> dict[str, Any]:
 
 
 def _save_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """Write JSON atomically (temp file + os.replace)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(_jsonable(manifest), indent=2) + "\n", encoding="utf-8")
@@ -409,6 +410,7 @@ def pipeline(
     evaluation = records.get("evaluate", {})
     if evaluation.get("status") == "done" and isinstance(evaluation.get("summary"), dict):
         result.update(_final_numbers(plan, evaluation["summary"]))
+    _save_manifest(plan.run_dir / "summary.json", result)  # same atomic JSON write
     _print_table(result, records)
     return result
 
