@@ -50,7 +50,7 @@ class OracleProposer(Eagle3Proposer):
 
 
 def self_distilled_draft(model, aux_layer_ids, *, num_seqs=16, prompt_len=8, new_tokens=56, steps=200,
-                         ttt_steps=3, lr=3e-3, seed=0):
+                         ttt_steps=3, lr=3e-3, seed=0, **draft_overrides):
     """Train a tiny draft on the verifier's own greedy continuations of random prompts (TTT loss).
 
     Returns a dict: ``draft``, ``seqs`` [B, T] (prompt + greedy continuation), ``aux`` [B, T, n_aux*H],
@@ -76,7 +76,7 @@ def self_distilled_draft(model, aux_layer_ids, *, num_seqs=16, prompt_len=8, new
     t2d[used] = True
     d2t = used - torch.arange(len(used))
     torch.manual_seed(seed)
-    kwargs = draft_kwargs_from_verifier(model.config, len(used))
+    kwargs = draft_kwargs_from_verifier(model.config, len(used), **draft_overrides)
     draft = build_draft(kwargs, d2t, t2d, embed_weight=parts.embed_tokens.weight,
                         lm_head_weight=parts.lm_head.weight)
     loss_mask = torch.zeros_like(seqs)
