@@ -80,8 +80,9 @@ class Eagle3Proposer:
         dev = self.device
         ids = torch.tensor(tokens, device=dev)[None]  # (1, T)
         pos = torch.arange(start, start + len(tokens), device=dev)[None]
-        out = self.draft(ids, self.draft.fuse(aux.to(dev)[None]), pos, cache=self.cache)
-        self.logits, self.hidden = out.logits[0, -1].float(), out.hidden_states[0, -1]
+        out = self.draft(ids, self.draft.fuse(aux.to(dev)[None]), pos, cache=self.cache, logits=False)
+        self.hidden = out.hidden_states[0, -1]  # (H,)
+        self.logits = self.draft.compute_logits(self.hidden).float()  # only the last position is needed
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -177,7 +178,7 @@ def speculative_generate(target: TargetRunner, proposer: Eagle3Proposer, prompt:
     target.reset()
     proposer.reset()
     n_prompt = len(prompt)
-    logits, aux = target.forward(torch.tensor(prompt), torch.arange(n_prompt))
+    logits, aux = target.forward(torch.tensor(prompt), torch.arange(n_prompt), last_logits_only=True)
     pending = _choose(logits[-1], params, generator)
     result = DecodeResult(tokens=[pending], verifier_forwards=1)
     if not _done(result.tokens, max_new_tokens, eos_ids):
@@ -212,7 +213,7 @@ def autoregressive_generate(target: TargetRunner, prompt: list[int], *, max_new_
     _sync(target.device)
     t0 = time.perf_counter()
     target.reset()
-    logits, _ = target.forward(torch.tensor(prompt), torch.arange(len(prompt)))
+    logits, _ = target.forward(torch.tensor(prompt), torch.arange(len(prompt)), last_logits_only=True)
     tokens = [_choose(logits[-1], params, generator)]
     while not _done(tokens, max_new_tokens, eos_ids):
         logits, _ = target.forward(torch.tensor(tokens[-1:]), torch.tensor([len(prompt) + len(tokens) - 1]))

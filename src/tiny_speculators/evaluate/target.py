@@ -54,6 +54,7 @@ class TargetRunner:
         # transformers 5.x renamed past_key_values -> cache; accept both
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._logits_to_keep = "logits_to_keep" in params
 
     def _hook(self, layer_id: int):
         def pre_hook(module, args, kwargs):
@@ -79,11 +80,13 @@ class TargetRunner:
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
-                tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                tree_mask: torch.Tensor | None = None,
+                last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``tokens`` [T] at ``positions`` [T]; returns (logits float32 [T, V], aux [T, n_aux * H]).
 
         ``tree_mask`` (bool [T, T], True = attend) restricts attention among the new tokens; every new
-        token always attends to the whole cached prefix. ``None`` means causal.
+        token always attends to the whole cached prefix. ``None`` means causal. ``last_logits_only``
+        (prefill) returns logits [1, V] for the last token only, skipping the lm_head elsewhere.
         """
         device = self.device
         tokens = tokens.to(device)[None]  # (1, T)
@@ -93,12 +96,15 @@ class TargetRunner:
             prefix = torch.ones(tree_mask.shape[0], self.length, dtype=torch.bool, device=device)
             allowed = torch.cat([prefix, tree_mask.to(device)], dim=1)  # (T, S)
             kwargs["attention_mask"] = additive_mask(allowed, self.parts.embed_tokens.weight.dtype)
+        if last_logits_only and self._logits_to_keep:
+            kwargs["logits_to_keep"] = 1
         self._captured.clear()
         out = self.model(input_ids=tokens, position_ids=positions, use_cache=True,
                          **{self._cache_kw: self.cache}, **kwargs)
         self.forwards += 1
         aux = torch.cat([self._captured[i][0] for i in self.aux_layer_ids], dim=-1)  # (T, n_aux*H)
-        return out.logits[0].float(), aux
+        logits = out.logits[0].float()
+        return (logits[-1:] if last_logits_only else logits), aux
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` cached positions."""
