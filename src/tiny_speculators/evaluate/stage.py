@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -60,7 +60,7 @@ def evaluate(
     tree_depth: int = 5,
     tree_topk: int = 4,
     tree_total_tokens: int = 24,
-    dtype: str = "float32",
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32",
     device: str = "cpu",
     seed: int = 0,
     baseline: bool = True,
@@ -80,11 +80,12 @@ def evaluate(
         temperature: 0 = greedy; > 0 samples, with rejection sampling keeping the verifier's distribution.
         top_p: nucleus sampling threshold (1 = off).
         top_k: top-k sampling filter (0 = off).
-        tree: draft an EAGLE-2 dynamic tree instead of a chain, verified in one forward with a tree mask.
+        tree: draft an EAGLE-2 dynamic tree instead of a chain, verified in one forward with a tree mask
+            (with temperature > 0 each node is verified by sampling the verifier: lossless, "target-only").
         tree_depth: tree levels (longest draft).
         tree_topk: children per expanded node and nodes expanded per level.
         tree_total_tokens: draft nodes sent to the verifier per step (root excluded).
-        dtype: verifier and draft dtype (float32, bfloat16, float16).
+        dtype: verifier and draft dtype (exactness checks use float32).
         device: torch device (cpu, cuda, cuda:1, ...).
         seed: seed for sampling (prompt i uses seed + i).
         baseline: also time the verifier alone on the same prompts (the speed-up denominator).
