@@ -19,7 +19,7 @@ def toy_stage(src: Path, /, out: Path, size: int = 8, mode: Literal["a", "b"] = 
     Args:
         out: where to write.
         size: how many
-            things to make.
+            things to make (100% of them).
     """
     return {"src": src, "out": out, "size": size, "mode": mode, "strict": strict, "layers": layers, "rate": rate}
 
@@ -69,7 +69,13 @@ def test_bad_config_values_are_one_sentence(toy, tmp_path, capsys):
 
 
 def test_docstring_args_become_help():
-    assert param_docs(toy_stage) == {"out": "where to write.", "size": "how many things to make."}
+    assert param_docs(toy_stage) == {"out": "where to write.", "size": "how many things to make (100% of them)."}
+
+
+def test_help_with_percent_signs(toy, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["toy", "--help"])
+    assert "100% of them" in capsys.readouterr().out
 
 
 def test_every_stage_is_listed_and_unbuilt_ones_say_so(capsys, monkeypatch):

@@ -59,6 +59,7 @@ def _add_param(parser: argparse.ArgumentParser, name: str, p: inspect.Parameter,
                help_text: str) -> None:
     _, inner = _is_optional(annotation)
     origin = get_origin(inner)
+    help_text = help_text.replace("%", "%%")  # argparse %-formats help strings
     kwargs: dict[str, Any] = {"help": help_text or None}
     if origin in (list, tuple):
         kwargs["nargs"] = "+"
