@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Literal
 
@@ -29,10 +30,9 @@ def toy(monkeypatch):
     """Register ``toy_stage`` as a CLI stage; returns the list of its calls' results."""
     calls = []
 
+    @functools.wraps(toy_stage)  # the CLI reads toy_stage's signature and docstring through it
     def recording(*args, **kwargs):
         calls.append(toy_stage(*args, **kwargs))
-
-    recording.__wrapped__ = toy_stage  # so that inspect.signature sees toy_stage's parameters
     monkeypatch.setitem(cli.STAGES, "toy", ("x:y", "a toy"))
     monkeypatch.setattr(cli, "load_stage", lambda name: recording)
     return calls
