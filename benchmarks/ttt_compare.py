@@ -81,7 +81,10 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--ks", type=int, nargs="+", default=[3, 7])
+    ap.add_argument("--eval-k", type=int, default=7, help="rollout length of the final evaluation")
     ap.add_argument("--work", type=Path, default=Path("/tmp/ttt-compare"))
+    ap.add_argument("--prepared", type=Path, help="use this prepared folder (e.g. a pipeline run's regenerated data)")
+    ap.add_argument("--vocab", type=Path, help="with --prepared: its vocab folder")
     a = ap.parse_args()
     from tiny_speculators.data.prepare import prepare
     from tiny_speculators.data.vocab import vocab
@@ -90,17 +93,19 @@ def main() -> None:
     from tiny_speculators.verifier.extract import extract
 
     a.work.mkdir(parents=True, exist_ok=True)
+    prepared, vocab_dir = a.prepared or a.work / "prepared", a.vocab or a.work / "vocab"
     if not (a.work / "hs" / "manifest.json").is_file():
-        chats = self_answers(a.prompts, a.max_new_tokens, a.work)
-        prepare(verifier="smollm2-135m", data=[chats], out=a.work / "prepared", max_length=384)
-        vocab(data=a.work / "prepared", out=a.work / "vocab", size=4096)
-        extract(verifier="smollm2-135m", data=a.work / "prepared", out=a.work / "hs", dtype="float32",
-                device="cpu", progress=False)
+        if a.prepared is None:
+            chats = self_answers(a.prompts, a.max_new_tokens, a.work)
+            prepare(verifier="smollm2-135m", data=[chats], out=prepared, max_length=384)
+            vocab(data=prepared, out=vocab_dir, size=4096)
+        extract(verifier="smollm2-135m", data=prepared, out=a.work / "hs", dtype="float32", device="cpu",
+                progress=False)
     results = {}
     for k in a.ks:
         out = a.work / f"k{k}"
         t0 = time.perf_counter()
-        s = train(verifier="smollm2-135m", vocab=a.work / "vocab", out=out, hidden_states=a.work / "hs",
+        s = train(verifier="smollm2-135m", vocab=vocab_dir, out=out, hidden_states=a.work / "hs",
                   max_steps=a.train_steps, batch_size=a.batch_size, lr=2e-3, warmup_steps=3, eval_fraction=0.15,
                   eval_every=0, save_every=0, ttt_steps=k, seed=0, progress=False, resume=(out / "final").exists())
         results[k] = {"train_s": time.perf_counter() - t0, "loop_s": s["train_seconds"]}
@@ -108,8 +113,8 @@ def main() -> None:
 
     n = len(HiddenStateReader(a.work / "hs"))
     _, val_idx = split_train_val(n, 0.15, 0)
-    eval_k = max(a.ks)
-    print(f"{a.prompts} self-answered prompts, {n} samples ({len(val_idx)} val), {a.train_steps} steps x batch "
+    eval_k = a.eval_k
+    print(f"{prepared}: {n} samples ({len(val_idx)} val), {a.train_steps} steps x batch "
           f"{a.batch_size}; all evaluated with a {eval_k}-step rollout")
     for k, r in results.items():
         m = evaluate_at(a.work / f"k{k}" / "final", a.work / "hs", val_idx, eval_k)
@@ -119,7 +124,8 @@ def main() -> None:
         print(f"K={k}: loop {r['loop_s']:.0f} s | acc/step {acc} | cond {cond} | E[accept] "
               f"@3 {accept_prefix(m['cond_acc'], 3):.3f} @{eval_k} {m['accept_len']:.3f} | "
               f"(E[accept@{eval_k}]-1)/loop-minute {(m['accept_len'] - 1) / (r['loop_s'] / 60):.3f}")
-    (a.work / "results.json").write_text(json.dumps({str(k): v for k, v in results.items()}, indent=2))
+    for k, v in results.items():
+        (a.work / f"results_k{k}.json").write_text(json.dumps(v, indent=2))
 
 
 if __name__ == "__main__":
