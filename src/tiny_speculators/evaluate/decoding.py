@@ -13,7 +13,7 @@ Acceptance statistics follow vLLM's ``SpecDecodingStats``: one "draft" per verif
 acceptance ``accepted_at[i] / drafts``.
 
     python -c "from tiny_speculators.evaluate.stage import evaluate; \
-evaluate('smollm2-135m', 'runs/train/final', 'chat', 'runs/eval', max_prompts=2, max_new_tokens=32)"
+evaluate('smollm2-135m', 'runs/train/final', 'runs/eval', prompts='chat', max_prompts=2, max_new_tokens=32)"
 """
 
 from __future__ import annotations
