@@ -72,9 +72,19 @@ def generate(model: str, out: str, prompts_path: str, max_tokens: int, spec: boo
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "spec_decode": counters,
         "speculative_config": str(llm.llm_engine.vllm_config.speculative_config),
+        "architectures": _architectures(llm),
     }
     with open(out, "w") as f:
         json.dump(result, f, indent=2, default=str)
+
+
+def _architectures(llm) -> dict[str, object]:
+    config = llm.llm_engine.vllm_config
+    out = {"target": list(getattr(config.model_config.hf_config, "architectures", None) or [])}
+    if config.speculative_config is not None:
+        draft = config.speculative_config.draft_model_config
+        out["draft"] = list(getattr(draft.hf_config, "architectures", None) or []) if draft is not None else None
+    return out
 
 
 def main(argv: list[str]) -> None:

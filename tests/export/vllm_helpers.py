@@ -1,0 +1,147 @@
+"""A quickly trained EAGLE-3 draft of the embedded SmolLM2 verifier, for the vLLM acceptance comparison.
+
+Self-distillation: the verifier's own greedy answers to ``TRAIN_PROMPTS`` (fp32, HF), its aux hidden
+states on them, and ~100 TTT steps (``models/eagle3/ttt.py``) with lm_head initialized from the
+verifier's rows. Takes ~1-2 minutes on 2 CPU cores; the draft reaches an acceptance length
+around 2 on unseen ``EVAL_PROMPTS`` (k=3), enough for the per-position rates to mean something.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TRAIN_PROMPTS = [
+    "What are three tips for staying focused while working from home?",
+    "Explain the difference between weather and climate in two sentences.",
+    "Write a short, friendly message declining an invitation to a party.",
+    "Why do cats purr?",
+    "Suggest a name for a small bakery that sells sourdough bread.",
+    "What is the capital of Australia, and why is it not Sydney?",
+    "Give me a simple recipe for pancakes.",
+    "How do plants make their food?",
+    "Write a Python function that returns the factorial of n.",
+    "What does the 'git rebase' command do?",
+    "Explain what a linked list is to a beginner.",
+    "Write a haiku about the ocean.",
+    "List four benefits of regular exercise.",
+    "How can I improve my sleep quality?",
+    "What is the difference between a virus and a bacterium?",
+    "Write a short story opening about a lighthouse keeper.",
+    "Explain recursion with a simple example.",
+    "What should I pack for a weekend camping trip?",
+    "Describe the water cycle.",
+    "How do I center a div in CSS?",
+    "What is photosynthesis?",
+    "Give three ideas for a rainy day activity with kids.",
+    "What is the Pythagorean theorem?",
+    "Write a polite email asking for a deadline extension.",
+]
+EVAL_PROMPTS = [
+    "What are some good habits for learning a new language?",
+    "Explain how a bicycle stays upright.",
+    "Write a Python function that reverses a string.",
+    "Why is the sky blue?",
+    "Give me three tips for a job interview.",
+    "What is the difference between a list and a tuple in Python?",
+]
+AUX_LAYER_IDS = [2, 15, 27]
+
+
+def render(tokenizer, prompt: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def greedy_answers(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> list[list[int]]:
+    """The verifier's greedy continuations, all prompts in one left-padded batch (training data only)."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attn = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        attn[i, width - len(p):] = 1
+    generated = model.generate(ids, attention_mask=attn, max_new_tokens=new_tokens, do_sample=False,
+                               pad_token_id=pad_id)
+    return [row[width:].tolist() for row in generated]
+
+
+def train_draft(verifier_dir: Path, out: Path, *, steps: int = 60, new_tokens: int = 48, seed: int = 0) -> Path:
+    """Train a small draft for ``verifier_dir`` and save it with ``save_draft`` into ``out``.
+
+    Runs on one torch thread: on a busy 2-core machine two threads thrash (measured ~10x slower).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train_draft(verifier_dir, out, steps=steps, new_tokens=new_tokens, seed=seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, seed: int) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tiny_speculators.models.eagle3 import build_draft, draft_kwargs_from_verifier, save_draft
+    from tiny_speculators.models.eagle3.ttt import ttt_step
+    from tiny_speculators.verifier.capture import capture_hidden_states
+    from tiny_speculators.verifier.modules import find_parts
+
+    torch.manual_seed(seed)
+    log.info("generating training answers")
+    tokenizer = AutoTokenizer.from_pretrained(verifier_dir)
+    model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval().requires_grad_(False)
+    parts = find_parts(model)
+    prompts = [render(tokenizer, p) for p in TRAIN_PROMPTS]
+    answers = greedy_answers(model, prompts, new_tokens, tokenizer.pad_token_id or 0)
+    log.info("answers generated")
+    seqs = [p + a for p, a in zip(prompts, answers, strict=True)]
+    length = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), length, dtype=torch.long)
+    mask = torch.zeros(len(seqs), length, dtype=torch.long)
+    attn = torch.zeros(len(seqs), length, dtype=torch.long)
+    for i, (p, s) in enumerate(zip(prompts, seqs, strict=True)):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        mask[i, len(p): len(s)] = 1  # learn the answers
+    with torch.no_grad():
+        aux, last = capture_hidden_states(model, ids, attn, AUX_LAYER_IDS, parts=parts)
+
+    # Draft vocab: every token of the data plus the most common low ids, sorted (d2t/t2d contract).
+    vocab = model.config.vocab_size
+    used = torch.unique(torch.cat([ids[attn.bool()], torch.arange(2048)]))
+    draft_vocab = int(used.numel())
+    d2t = used - torch.arange(draft_vocab)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[used] = True
+    kwargs = draft_kwargs_from_verifier(model.config, draft_vocab)
+    draft = build_draft(kwargs, d2t, t2d, embed_weight=parts.embed_tokens.weight.detach(),
+                        lm_head_weight=parts.lm_head.weight.detach())
+
+    def target_head(h: torch.Tensor) -> torch.Tensor:
+        return parts.lm_head(parts.norm(h))
+
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=2e-3, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        rows = torch.randperm(len(seqs), generator=generator)[:8]
+        result = ttt_step(draft, input_ids=ids[rows], aux_hidden_states=aux[rows], loss_mask=mask[rows],
+                          last_hidden_state=last[rows], target_head=target_head, steps=3, decay=0.8)
+        optimizer.zero_grad(set_to_none=True)
+        result.loss.backward()
+        optimizer.step()
+        if step % 25 == 0 or step == steps - 1:
+            log.info("draft training step %d loss %.3f", step, float(result.loss.detach()))
+    meta = {"aux_layer_ids": AUX_LAYER_IDS,
+            "verifier": {"name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                         "architectures": list(model.config.architectures or []),
+                         "hidden_size": model.config.hidden_size, "vocab_size": vocab},
+            "trained_with": {"ttt_steps": 3, "decay": 0.8, "mode": "test self-distillation", "steps": steps}}
+    save_draft(out, draft.eval(), meta)
+    return out
