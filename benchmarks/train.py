@@ -103,6 +103,7 @@ def main() -> None:
                str(a.steps), "--ttt-steps", str(a.ttt_steps), "--draft-vocab", str(a.draft_vocab)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         results[name] = json.loads(out.strip().splitlines()[-1])
+        print("measured", json.dumps(results[name]), flush=True)  # raw numbers as they come (runs are long on CPU)
     print(f"B={a.batch} T={a.seq} K={a.ttt_steps} draft_vocab={a.draft_vocab} (embedded verifier sizes), "
           f"{a.steps} timed steps each")
     print(f"{'config':<18}{'tok/s':>9}{'s/step':>8}{'peak RSS MB':>13}{'step mem MB':>13}{'speed x':>9}{'mem x':>8}")
