@@ -37,7 +37,6 @@ import hashlib
 import inspect
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from tiny_speculators.atomic import write_json_atomic
 from tiny_speculators.config import bind, load_yaml, stage_params
 from tiny_speculators.errors import UserError
 
@@ -280,11 +280,7 @@ def _load_manifest(path: Path) -> dict[str, Any]:
 
 
 def _save_manifest(path: Path, manifest: dict[str, Any]) -> None:
-    """Write JSON atomically (temp file + os.replace)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(_jsonable(manifest), indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_json_atomic(path, _jsonable(manifest))
 
 
 def vllm_serve_command(verifier_id: str, draft_dir: Path | str, k: int) -> str:

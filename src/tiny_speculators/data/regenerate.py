@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tiny_speculators.atomic import write_text_atomic
 from tiny_speculators.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -249,12 +250,6 @@ class _EndpointGenerator:
 
 
 # -------------------------------------------------------------------------------------------- stage
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def _load_partial(out: Path, settings: dict[str, Any], resume: bool) -> dict[str, dict[str, Any]]:
     partial, settings_file = out / PARTIAL_FILE, out / SETTINGS_FILE
     if resume and partial.is_file() and settings_file.is_file():
@@ -275,7 +270,7 @@ def _load_partial(out: Path, settings: dict[str, Any], resume: bool) -> dict[str
             return done
         log.warning("generation settings changed since %s was written: starting over", partial)
     partial.unlink(missing_ok=True)
-    _atomic_write(settings_file, json.dumps(settings, indent=2, sort_keys=True))
+    write_text_atomic(settings_file, json.dumps(settings, indent=2, sort_keys=True))
     return {}
 
 
@@ -409,7 +404,7 @@ def regenerate(
         kept += 1
     if not lines:
         raise UserError("the verifier produced no usable answer for any record")
-    _atomic_write(out / OUTPUT_FILE, "\n".join(lines) + "\n")
+    write_text_atomic(out / OUTPUT_FILE, "\n".join(lines) + "\n")
     summary = {
         "verifier": str(verifier), "verifier_id": verifier_id(verifier), "backend": backend,
         "endpoint": chat_completions_url(endpoint) if endpoint else None, "output": OUTPUT_FILE,
@@ -420,7 +415,7 @@ def regenerate(
         "new_tokens_per_second": round(generated_tokens / gen_seconds, 2) if gen_seconds else None,
         "seconds": round(time.perf_counter() - t0, 3), **{k: v for k, v in settings.items() if k != "verifier"},
     }
-    _atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     log.info("regenerate: %d records kept, %d dropped, %d new tokens in %.1f s", kept, sum(dropped.values()),
              generated_tokens, gen_seconds)
     return summary

@@ -15,15 +15,13 @@ recorded as ``filled`` in ``summary.json``). N is capped at the target vocabular
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tiny_speculators.atomic import atomic_write, write_json_atomic
 from tiny_speculators.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -99,14 +97,10 @@ def vocab(data: Path, out: Path, size: int = 32000, target_vocab_size: int | Non
                "data": str(data), **info}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=out, suffix=".tmp", delete=False) as f:
-        tmp_weights = f.name
-    save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, tmp_weights,
-              metadata={"size": str(info["size"]), "target_vocab_size": str(info["target_vocab_size"])})
-    os.replace(tmp_weights, out / "vocab.safetensors")
-    tmp_summary = out / "summary.json.tmp"
-    tmp_summary.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp_summary, out / "summary.json")
+    metadata = {"size": str(info["size"]), "target_vocab_size": str(info["target_vocab_size"])}
+    atomic_write(out / "vocab.safetensors",
+                 lambda tmp: save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, tmp, metadata=metadata))
+    write_json_atomic(out / "summary.json", summary)
     log.info("draft vocab: %d of %d target tokens, covering %.2f%% of masked tokens", info["size"],
              info["target_vocab_size"], 100 * info["coverage"])
     _print_summary(summary, out)

@@ -10,11 +10,10 @@ as vLLM counts them.
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from tiny_speculators.atomic import atomic_write, write_json_atomic
 
 __all__ = ["acceptance_metrics", "print_table", "save_plot", "write_json"]
 
@@ -36,17 +35,7 @@ def acceptance_metrics(accepted: list[int], proposed: list[int], positions: int)
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Atomic JSON write (temp file + os.replace)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, ensure_ascii=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_json_atomic(path, data)
 
 
 def _fmt(x: Any, digits: int = 3) -> str:
@@ -110,8 +99,5 @@ def save_plot(path: Path, per_position: list[float | None], per_prompt_tau: list
     ax2.set_title("acceptance length per prompt")
     fig.suptitle(title)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
-    os.replace(tmp, path)

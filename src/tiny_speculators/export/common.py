@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tiny_speculators.atomic import write_json_atomic
 from tiny_speculators.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -20,22 +19,8 @@ EXPORT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": t
                                          "float16": torch.float16}
 
 
-def atomic_write(path: Path, write: Callable[[str], None]) -> None:
-    """``write(tmp_path)`` then rename over ``path``: readers never see a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_json(path: Path, data: Any) -> None:
-    text = json.dumps(data, indent=2) + "\n"
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    write_json_atomic(path, data)
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -25,11 +25,11 @@ from typing import Any, Literal
 
 from safetensors.torch import save_file
 
+from tiny_speculators.atomic import atomic_write
 from tiny_speculators.errors import UserError
 from tiny_speculators.export import sglang, speculators
 from tiny_speculators.export.common import (
     EXPORT_DTYPES,
-    atomic_write,
     check_against_verifier,
     read_json,
     verifier_config,

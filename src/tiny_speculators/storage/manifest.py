@@ -18,13 +18,11 @@ Files in ``OUT/``:
 
 from __future__ import annotations
 
-import errno
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from tiny_speculators import atomic
 from tiny_speculators.errors import UserError
 
 __all__ = ["MANIFEST", "PLAN", "done_shards", "init_plan", "load_manifest", "merge_manifest", "record_shard",
@@ -43,20 +41,10 @@ def shard_name(index: int) -> str:
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temp file in the same folder + fsync + rename; ENOSPC -> UserError."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise UserError(f"disk full while writing {path} ({len(data)} bytes); free some space and rerun "
-                            "the same command: it resumes after the last complete shard") from None
-        raise
+        atomic.write_bytes_atomic(path, data)
+    except UserError as e:
+        raise UserError(f"{e} ({len(data)} bytes): extraction resumes after the last complete shard") from None
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

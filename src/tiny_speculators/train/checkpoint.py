@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import re
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from tiny_speculators.atomic import replace_dir_atomic
+from tiny_speculators.atomic import write_json_atomic as _write_json_atomic
 from tiny_speculators.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -57,30 +57,11 @@ def latest_checkpoint(out: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def write_atomic_dir(target: Path, fill: Callable[[Path], None]) -> Path:
-    """Call ``fill(tmp)`` on a fresh temporary folder next to ``target``, then swap it into place."""
-    target = Path(target)
-    tmp = target.parent / f".tmp-{target.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    fill(tmp)
-    old = target.parent / f".old-{target.name}"
-    if target.exists():  # replacing best/ or final/: move the old one aside first, then drop it
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(target, old)
-    os.replace(tmp, target)
-    if old.exists():
-        shutil.rmtree(old)
-    return target
+write_atomic_dir = replace_dir_atomic  # step_XXXXXX/, best/ and final/ are swapped in whole
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    _write_json_atomic(path, data, sort_keys=True)
 
 
 def prune_checkpoints(out: Path, keep_last: int) -> None:

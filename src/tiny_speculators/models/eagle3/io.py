@@ -8,30 +8,18 @@ plus ``draft_config.json`` (``{"model_type": "eagle3", "kwargs": {...}, **meta}`
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from tiny_speculators.atomic import atomic_write
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.eagle3.model import Eagle3Draft
 
 WEIGHTS = "model.safetensors"
 CONFIG = "draft_config.json"
-
-
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save_draft(directory: str | Path, draft: Eagle3Draft, meta: dict[str, Any] | None = None) -> Path:
@@ -43,10 +31,10 @@ def save_draft(directory: str | Path, draft: Eagle3Draft, meta: dict[str, Any] |
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in draft.state_dict().items()}
-    _atomic_write(directory / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    atomic_write(directory / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     config = {"model_type": "eagle3", "kwargs": draft.kwargs, **(meta or {})}
     text = json.dumps(config, indent=2, sort_keys=False) + "\n"
-    _atomic_write(directory / CONFIG, lambda tmp: Path(tmp).write_text(text))
+    atomic_write(directory / CONFIG, lambda tmp: Path(tmp).write_text(text))
     return directory
 
 
