@@ -108,3 +108,29 @@ def verifier_embeddings(name: str) -> torch.Tensor:
                         return f.get_tensor(key).float()
     model, _ = load_verifier(name, with_tokenizer=False)  # hub id, .bin weights or an unusual layout
     return model.get_input_embeddings().weight.detach().float().clone()
+
+
+def decoder_fields(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The HF decoder-config fields of the draft's one layer that every export format writes.
+
+    RoPE goes in the v4 layout (``rope_theta``/``rope_scaling``); formats read by v5 add ``rope_parameters``.
+    """
+    rope = dict(kwargs["rope_parameters"])
+    rope_type = rope.get("rope_type", "default")
+    return {
+        "vocab_size": int(kwargs["vocab_size"]),
+        "hidden_size": int(kwargs["hidden_size"]),
+        "intermediate_size": int(kwargs["intermediate_size"]),
+        "num_hidden_layers": 1,
+        "num_attention_heads": int(kwargs["num_attention_heads"]),
+        "num_key_value_heads": int(kwargs["num_key_value_heads"]),
+        "head_dim": int(kwargs["head_dim"]),
+        "hidden_act": kwargs.get("hidden_act", "silu"),
+        "rms_norm_eps": float(kwargs["rms_norm_eps"]),
+        "max_position_embeddings": int(kwargs["max_position_embeddings"]),
+        "attention_bias": bool(kwargs.get("attention_bias", False)),
+        # never tied: the draft's lm_head covers the draft vocab, its embeddings the full one
+        "tie_word_embeddings": False,
+        "rope_theta": float(rope.get("rope_theta", 10000.0)),
+        "rope_scaling": None if rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
+    }

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.export.common import cast_state, dtype_name, read_json, require
+from tiny_speculators.export.common import cast_state, decoder_fields, dtype_name, read_json, require
 from tiny_speculators.models.eagle3.builder import rope_parameters_of
 
 CONFIG = "config.json"
@@ -47,28 +47,12 @@ def check_exportable(kwargs: Mapping[str, Any]) -> None:
 def sglang_config(kwargs: Mapping[str, Any], *, aux_layer_ids: list[int] | None,
                   dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     check_exportable(kwargs)
-    rope = dict(kwargs["rope_parameters"])
-    rope_type = rope.get("rope_type", "default")
     cfg: dict[str, Any] = {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
-        "vocab_size": int(kwargs["vocab_size"]),
         "draft_vocab_size": int(kwargs["draft_vocab_size"]),
-        "hidden_size": int(kwargs["hidden_size"]),
-        "intermediate_size": int(kwargs["intermediate_size"]),
-        "num_hidden_layers": 1,
-        "num_attention_heads": int(kwargs["num_attention_heads"]),
-        "num_key_value_heads": int(kwargs["num_key_value_heads"]),
-        "head_dim": int(kwargs["head_dim"]),
-        "hidden_act": kwargs.get("hidden_act", "silu"),
-        "rms_norm_eps": float(kwargs["rms_norm_eps"]),
-        "max_position_embeddings": int(kwargs["max_position_embeddings"]),
-        "rope_theta": float(rope.get("rope_theta", 10000.0)),
-        "rope_scaling": None if rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
-        "attention_bias": bool(kwargs.get("attention_bias", False)),
+        **decoder_fields(kwargs),  # tie_word_embeddings False: True would make SGLang use embed_tokens as lm_head
         "bias": False,
-        # True would make SGLang use embed_tokens as lm_head, which has the wrong (full) vocab.
-        "tie_word_embeddings": False,
         "torch_dtype": dtype_name(dtype),
     }
     target_hidden = kwargs.get("target_hidden_size") or kwargs["hidden_size"]

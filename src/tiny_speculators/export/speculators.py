@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.export.common import cast_state, dtype_name, read_json, require
+from tiny_speculators.export.common import cast_state, decoder_fields, dtype_name, read_json, require
 from tiny_speculators.models.eagle3.builder import rope_parameters_of
 
 log = logging.getLogger(__name__)
@@ -42,28 +42,12 @@ def transformer_layer_config(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     RoPE is written in both layouts (``rope_theta``/``rope_scaling`` for transformers v4 readers,
     ``rope_parameters`` for v5) so that either reconstructs the same frequencies.
     """
-    rope = dict(kwargs["rope_parameters"])
-    rope_type = rope.get("rope_type", "default")
-    scaling = None if rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
     cfg: dict[str, Any] = {
         "model_type": kwargs["layer_type"],
         "architectures": [LAYER_ARCHITECTURES[kwargs["layer_type"]]],
-        "vocab_size": int(kwargs["vocab_size"]),
-        "hidden_size": int(kwargs["hidden_size"]),
-        "intermediate_size": int(kwargs["intermediate_size"]),
-        "num_hidden_layers": 1,
-        "num_attention_heads": int(kwargs["num_attention_heads"]),
-        "num_key_value_heads": int(kwargs["num_key_value_heads"]),
-        "head_dim": int(kwargs["head_dim"]),
-        "hidden_act": kwargs.get("hidden_act", "silu"),
-        "rms_norm_eps": float(kwargs["rms_norm_eps"]),
-        "max_position_embeddings": int(kwargs["max_position_embeddings"]),
-        "attention_bias": bool(kwargs.get("attention_bias", False)),
+        **decoder_fields(kwargs),
         "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "rope_theta": float(rope.get("rope_theta", 10000.0)),
-        "rope_scaling": scaling,
-        "rope_parameters": rope,
+        "rope_parameters": dict(kwargs["rope_parameters"]),
     }
     if int(kwargs.get("num_aux", 3)) != 3:  # vLLM sizes fc from this (default 3)
         cfg["num_aux_hidden_states"] = int(kwargs["num_aux"])
