@@ -196,6 +196,53 @@ def test_target_logits_path_equals_target_head_path(tiny_draft):
         ttt_step(tiny_draft, input_ids=ids, aux_hidden_states=aux, loss_mask=mask, steps=2)
 
 
+def test_topk_targets_with_every_token_equal_the_full_logits(tiny_draft):
+    ids, aux, last, mask, head = _batch(seed=4)
+    logits = head(last)
+    values, indices = logits.topk(VOCAB, dim=-1)
+    a = ttt_step(tiny_draft, input_ids=ids, aux_hidden_states=aux, target_logits=logits, loss_mask=mask, steps=3)
+    b = ttt_step(tiny_draft, input_ids=ids, aux_hidden_states=aux, target_topk_ids=indices,
+                 target_topk_logits=values, loss_mask=mask, steps=3)
+    torch.testing.assert_close(b.loss, a.loss)
+    for k in a.metrics:
+        torch.testing.assert_close(b.metrics[k], a.metrics[k])
+
+
+def test_topk_targets_renormalize_on_the_draft_tokens_they_hold(tiny_draft):
+    """Row 0: its top-3 holds two draft tokens -> their renormalized probabilities; the argmax (a non-draft
+    token) stays the full-vocab argmax. Row 1: no draft token in its top-3 -> no distribution (all -inf)."""
+    from tiny_speculators.models.eagle3.loss import DenseTargets, TopKTargets
+
+    draft_cols = torch.arange(DRAFT_VOCAB) + tiny_draft.d2t
+    outside = sorted(set(range(VOCAB)) - set(draft_cols.tolist()))
+    d0, d1 = draft_cols[3].item(), draft_cols[7].item()
+    ids = torch.tensor([[outside[0], d0, d1], [outside[1], outside[2], outside[3]]])
+    logits = torch.tensor([[5.0, 2.0, 1.0], [4.0, 3.0, 2.0]])
+    argmax, logp = TopKTargets(ids, logits, VOCAB).chunk(0, 2, draft_cols)
+    assert argmax.tolist() == [outside[0], outside[1]]
+    expected = torch.full((DRAFT_VOCAB,), float("-inf"))
+    expected[[3, 7]] = torch.log_softmax(torch.tensor([2.0, 1.0]), dim=0)
+    torch.testing.assert_close(logp[0], expected)
+    assert torch.isneginf(logp[1]).all()
+    # the dense path on the same row, with -inf outside the top-3, agrees
+    dense = torch.full((1, VOCAB), float("-inf"))
+    dense[0, ids[0]] = logits[0]
+    _, dense_logp = DenseTargets(dense).chunk(0, 1, draft_cols)
+    torch.testing.assert_close(dense_logp[0], expected)
+
+
+def test_topk_row_without_draft_tokens_adds_no_loss_but_counts(tiny_draft):
+    ids, aux, _, mask, _ = _batch(b=1, t=8, seed=5)
+    draft_cols = torch.arange(DRAFT_VOCAB) + tiny_draft.d2t
+    outside = torch.tensor(sorted(set(range(VOCAB)) - set(draft_cols.tolist())))
+    topk_ids = outside[:4].expand(1, 8, 4)  # never a draft token
+    out = ttt_step(tiny_draft, input_ids=ids, aux_hidden_states=aux, target_topk_ids=topk_ids,
+                   target_topk_logits=torch.randn(1, 8, 4), loss_mask=torch.ones_like(mask), steps=2)
+    assert out.loss.item() == 0.0 and out.metrics["count"].sum() > 0
+    assert out.metrics["correct"].sum() == 0  # the verifier's argmax is never a draft token
+    out.loss.backward()  # still a graph (zero gradients)
+
+
 def test_loss_normalizer_makes_micro_batches_sum_to_full_batch(tiny_draft):
     ids, aux, last, mask, head = _batch(b=4, t=8, seed=6)
     kwargs = dict(target_head=head, steps=3, decay=0.5)

@@ -24,6 +24,9 @@ import torch
 
 from tiny_speculators.errors import UserError
 
+# per-token tensors a sample may carry (hidden states, or the verifier's top-k from extract's topk layouts)
+TOKEN_TENSOR_KEYS = ("aux_hidden_states", "last_hidden_state", "target_topk_ids", "target_topk_logits")
+
 Plan = list[list[list[int]]]  # step -> micro-batches (world_size * grad_accum of them) -> sample indices
 
 
@@ -92,7 +95,7 @@ def eval_share(indices: Sequence[int], lengths: Sequence[int], *, batch_size: in
 
 def collate(samples: list[dict[str, torch.Tensor]], *, pack: bool = False) -> dict[str, Any]:
     """Samples (each ``input_ids [T]``, ``loss_mask [T]`` and optionally ``aux_hidden_states [T, A]``,
-    ``last_hidden_state [T, H]``) -> a batch.
+    ``last_hidden_state [T, H]`` or ``target_topk_ids/logits [T, k]``) -> a batch.
 
     Padding (default): ``[B, Tmax]`` rows padded on the right (``loss_mask`` 0, ``attention_mask`` 0 there,
     hidden states 0); causal attention keeps real positions unaffected by the padding.
@@ -100,7 +103,7 @@ def collate(samples: list[dict[str, torch.Tensor]], *, pack: bool = False) -> di
     """
     if not samples:
         raise ValueError("empty micro-batch")
-    tensor_keys = [k for k in ("aux_hidden_states", "last_hidden_state") if k in samples[0]]
+    tensor_keys = [k for k in TOKEN_TENSOR_KEYS if k in samples[0]]
     lengths = [int(s["input_ids"].shape[0]) for s in samples]
     if pack:
         batch: dict[str, Any] = {

@@ -30,9 +30,13 @@ class TTTModule(nn.Module):
         self.checkpoint = checkpoint  # recompute draft logits blocks in backward (ttt_step's memory saver)
 
     def forward(self, batch: dict[str, Any], loss_normalizer: torch.Tensor | None = None) -> TTTOutput:
+        if "target_topk_ids" in batch:  # extract's top-k layouts: the verifier's distribution is stored
+            targets = {"target_topk_ids": batch["target_topk_ids"], "target_topk_logits": batch["target_topk_logits"]}
+        else:
+            targets = {"last_hidden_state": batch["last_hidden_state"], "target_head": self._head[0]}
         return ttt_step(
             self.draft, input_ids=batch["input_ids"], aux_hidden_states=batch["aux_hidden_states"],
-            loss_mask=batch["loss_mask"], last_hidden_state=batch["last_hidden_state"], target_head=self._head[0],
+            loss_mask=batch["loss_mask"], **targets,
             position_ids=batch["position_ids"], document_ids=batch.get("document_ids"), steps=self.steps,
             decay=self.decay, attention=self.attention, chunk_size=self.chunk_size, checkpoint=self.checkpoint,
             loss_normalizer=loss_normalizer,

@@ -3,7 +3,9 @@
 Both sources give the trainer the same batch: ``input_ids``, ``loss_mask``, ``attention_mask``,
 ``position_ids`` (+ ``document_ids`` when packed), ``aux_hidden_states [B, T, n_aux*Ht]`` and
 ``last_hidden_state [B, T, Ht]`` (pre-norm; the target head turns it into verifier logits), so the
-model, loss and metrics cannot tell them apart.
+model, loss and metrics cannot tell them apart. Offline shards written with a top-k layout carry
+``target_topk_ids`` / ``target_topk_logits [B, T, k]`` instead of ``last_hidden_state`` (see ``models/eagle3/loss.py``
+for what the loss does with them).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ class OfflineSource:
         if len(self.reader) == 0:
             raise UserError(f"hidden-state folder {hidden_states} holds no samples")
         self._lengths = [int(n) for n in self.reader.lengths()]  # from the shards' offset tensors only
+        # what reproduces the verifier's distribution: its last hidden state, or its stored top-k logits
+        self.target_keys = (("target_topk_ids", "target_topk_logits") if self.reader.layout.uses_topk
+                            else ("last_hidden_state",))
 
     @property
     def aux_layer_ids(self) -> list[int]:
@@ -44,13 +49,8 @@ class OfflineSource:
         return self._lengths
 
     def batch(self, indices: list[int], device: torch.device, pack: bool) -> dict[str, Any]:
-        samples = []
-        for i in indices:
-            s = self.reader[i]
-            if "last_hidden_state" not in s:
-                raise UserError(f"{self.reader.__class__.__name__} sample {i} has no last_hidden_state (top-k "
-                                "layouts are not supported by train yet); extract with --layout full or fp8")
-            samples.append({k: s[k] for k in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")})
+        keys = ("input_ids", "loss_mask", "aux_hidden_states", *self.target_keys)
+        samples = [{k: s[k] for k in keys} for s in (self.reader[i] for i in indices)]
         return to_device(collate(samples, pack=pack), device)
 
 

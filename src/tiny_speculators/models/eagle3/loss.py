@@ -6,11 +6,21 @@ the full-vocab argmax, and shared by all K steps (target row ``r`` serves step `
 ``r - k - 1``). The draft logits of each (chunk, step) block are recomputed in backward
 (``torch.utils.checkpoint``), so peak memory is one ``[chunk, V]`` target block plus one
 ``[chunk, Vd]`` draft block, whatever K and the sequence length.
+
+The verifier's distribution comes from one of two target sources:
+
+* :class:`DenseTargets`: all ``V`` logits (given, or computed by the target head from the verifier's last
+  hidden state); the draft-vocab distribution is exact.
+* :class:`TopKTargets`: the verifier's top-k logits per row (``extract --layout topk``). The argmax over the
+  full vocab is still exact; the draft-vocab distribution is the top-k tokens that are in the draft vocab,
+  renormalized (the verifier's mass on draft tokens outside its top-k is dropped). A row whose top-k holds
+  no draft token has no distribution to match: it adds nothing to the KL but still counts (its accuracy is 0).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +29,48 @@ from torch.utils.checkpoint import checkpoint as grad_checkpoint
 from tiny_speculators.models.eagle3.model import Eagle3Draft
 
 METRIC_KEYS = ("loss_sum", "count", "correct", "cond_correct", "cond_count")
+
+
+class TargetSource(Protocol):
+    def chunk(self, start: int, stop: int, draft_cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``start:stop`` -> (verifier argmax over the full vocab ``[c]``, log-probs on the draft vocab
+        ``[c, Vd]`` (fp32), where ``draft_cols[i]`` is draft id i's target id)."""
+        ...
+
+
+class DenseTargets:
+    """All the verifier's logits: ``source [N, V]`` logits, or ``source [N, Ht]`` last hidden states + ``head``."""
+
+    def __init__(self, source: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.source, self.head = source, head
+
+    def chunk(self, start: int, stop: int, draft_cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.source[start:stop]
+        logits = (rows if self.head is None else self.head(rows)).float()  # (c, V)
+        return logits.argmax(dim=-1), F.log_softmax(logits[:, draft_cols], dim=-1)
+
+
+class TopKTargets:
+    """The verifier's top-k logits: ``ids [N, k]`` target ids and ``logits [N, k]`` (module docstring)."""
+
+    def __init__(self, ids: torch.Tensor, logits: torch.Tensor, vocab_size: int) -> None:
+        self.ids, self.logits, self.vocab_size = ids, logits, vocab_size
+        self._draft_index: torch.Tensor | None = None
+
+    def chunk(self, start: int, stop: int, draft_cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._draft_index is None:  # target id -> draft id, -1 outside the draft vocab
+            self._draft_index = torch.full((self.vocab_size,), -1, dtype=torch.long, device=draft_cols.device)
+            self._draft_index[draft_cols] = torch.arange(draft_cols.numel(), device=draft_cols.device)
+        ids, logits = self.ids[start:stop].long(), self.logits[start:stop].float()
+        argmax = ids.gather(1, logits.argmax(dim=1, keepdim=True)).squeeze(1)
+        draft_ids = self._draft_index[ids]  # (c, k)
+        keep = draft_ids >= 0
+        dense = logits.new_full((ids.shape[0], draft_cols.numel()), float("-inf"))
+        row = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
+        dense[row[keep], draft_ids[keep]] = logits[keep]
+        logp = F.log_softmax(dense, dim=-1)
+        empty = ~keep.any(dim=1)  # no draft token in the top-k: all -inf (log_softmax gave nan)
+        return argmax, logp.masked_fill(empty[:, None], float("-inf"))
 
 
 def _block_kl(draft: Eagle3Draft, hidden: torch.Tensor, target_logp: torch.Tensor):
@@ -33,9 +85,8 @@ def chunked_kl_loss(
     draft: Eagle3Draft,
     hidden: list[torch.Tensor],
     valid: torch.Tensor,
-    source: torch.Tensor,
+    targets: TargetSource,
     *,
-    target_head: Callable[[torch.Tensor], torch.Tensor] | None,
     chunk_size: int = 1024,
     checkpoint: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,8 +95,7 @@ def chunked_kl_loss(
     Args:
         hidden: K pre-norm draft outputs, each ``[N, H]`` (flattened ``B*T`` anchors).
         valid: ``[K, N]`` bool, step k at anchor n has a target (its target row is ``n + k + 1``).
-        source: ``[N, Ht]`` verifier last hidden states (with ``target_head``) or ``[N, V]`` logits (without).
-        target_head: ``[n, Ht] -> [n, V]`` verifier logits, or None when ``source`` holds logits.
+        targets: the verifier's distribution per row (:class:`DenseTargets` or :class:`TopKTargets`).
 
     Returns ``loss_sums [K]`` (differentiable) and ``correct [K, N]`` (draft argmax mapped to a target id
     equals the verifier's argmax over the full vocab; False where not valid).
@@ -66,12 +116,8 @@ def chunked_kl_loss(
             users.append(keep)
         if not any(bool(u.any()) for u in users):
             continue
-        with torch.no_grad():
-            chunk = source[start:stop]
-            logits = (chunk if target_head is None else target_head(chunk)).float()  # (c, V)
-            target_argmax = logits.argmax(dim=-1)  # over the FULL target vocab
-            target_logp = F.log_softmax(logits[:, draft_cols], dim=-1)  # (c, Vd) renormalized on the draft vocab
-            del logits
+        with torch.no_grad():  # argmax over the FULL target vocab; (c, Vd) log-probs renormalized on the draft vocab
+            target_argmax, target_logp = targets.chunk(start, stop, draft_cols)
         for k in range(steps):
             keep = users[k]
             if not keep.any():

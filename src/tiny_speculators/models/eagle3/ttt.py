@@ -68,8 +68,9 @@ out = ttt_step(d, input_ids=ids, aux_hidden_states=torch.randn(2, 16, 96), last_
 loss_mask=torch.ones(2, 16), target_head=lambda h: h @ w.T, steps=3, decay=0.8); \
 out.loss.backward(); print(summarize_metrics(out.metrics, 0.8))"
 
-Give either ``last_hidden_state`` + ``target_head`` or precomputed ``target_logits``. Right padding
-is fine (give padded positions loss_mask 0); left padding is not.
+Give either ``last_hidden_state`` + ``target_head``, precomputed ``target_logits``, or the verifier's top-k
+(``target_topk_ids`` + ``target_topk_logits`` ``[B,T,k]``, from ``extract --layout topk``; see ``loss.py``).
+Right padding is fine (give padded positions loss_mask 0); left padding is not.
 """
 
 from __future__ import annotations
@@ -81,7 +82,14 @@ from typing import Literal
 import torch
 
 from tiny_speculators.models.eagle3.attention import flex_available, ttt_block_mask, ttt_mask_dense
-from tiny_speculators.models.eagle3.loss import METRIC_KEYS, chain_metrics, chunked_kl_loss, summarize_metrics
+from tiny_speculators.models.eagle3.loss import (
+    METRIC_KEYS,
+    DenseTargets,
+    TopKTargets,
+    chain_metrics,
+    chunked_kl_loss,
+    summarize_metrics,
+)
 from tiny_speculators.models.eagle3.model import Eagle3Draft, KVCache
 
 __all__ = ["METRIC_KEYS", "TTTOutput", "positions_from_documents", "rollout", "summarize_metrics", "ttt_step",
@@ -167,6 +175,8 @@ def ttt_step(
     last_hidden_state: torch.Tensor | None = None,
     target_logits: torch.Tensor | None = None,
     target_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    target_topk_ids: torch.Tensor | None = None,
+    target_topk_logits: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     document_ids: torch.Tensor | None = None,
     steps: int = 3,
@@ -179,8 +189,11 @@ def ttt_step(
     """Roll the draft out ``steps`` times and compute the decayed KL loss and metric sums (module docstring)."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    if (target_logits is None) == (last_hidden_state is None or target_head is None):
-        raise ValueError("give either target_logits, or last_hidden_state and target_head")
+    given = [target_logits is not None, last_hidden_state is not None and target_head is not None,
+             target_topk_ids is not None and target_topk_logits is not None]
+    if sum(given) != 1:
+        raise ValueError("give exactly one of: target_logits; last_hidden_state and target_head; "
+                         "target_topk_ids and target_topk_logits")
     b, t = input_ids.shape
     device = input_ids.device
     if position_ids is None:
@@ -189,11 +202,15 @@ def ttt_step(
     outs = rollout(draft, input_ids, aux_hidden_states, position_ids, document_ids, steps=steps,
                    attention=attention)
     valid = valid_anchors(loss_mask, document_ids, steps).reshape(steps, b * t)  # (K, N) by anchor
-    loss_sums_t, correct = chunked_kl_loss(
-        draft, [o.reshape(b * t, -1) for o in outs], valid,
-        (target_logits if target_logits is not None else last_hidden_state).reshape(b * t, -1),
-        target_head=None if target_logits is not None else target_head, chunk_size=chunk_size, checkpoint=checkpoint,
-    )
+    if target_topk_ids is not None:
+        targets = TopKTargets(target_topk_ids.reshape(b * t, -1), target_topk_logits.reshape(b * t, -1),
+                              vocab_size=draft.t2d.numel())
+    elif target_logits is not None:
+        targets = DenseTargets(target_logits.reshape(b * t, -1))
+    else:
+        targets = DenseTargets(last_hidden_state.reshape(b * t, -1), target_head)
+    loss_sums_t, correct = chunked_kl_loss(draft, [o.reshape(b * t, -1) for o in outs], valid, targets,
+                                           chunk_size=chunk_size, checkpoint=checkpoint)
     counts = valid.sum(dim=1)  # (K,)
     weights = decay ** torch.arange(steps, device=device, dtype=torch.float32)
     denom = loss_normalizer.to(device).float() if loss_normalizer is not None else counts.clamp(min=1).float()
