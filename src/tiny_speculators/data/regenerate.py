@@ -364,7 +364,10 @@ def regenerate(
                                enable_thinking, trust_remote_code)
         for w in todo:
             _advance(w)  # every record now has its first prompt (it has a user turn)
-        todo.sort(key=lambda w: sum(len(m["content"]) for m in w.history))  # less padding per batch
+        # Multi-turn records together (their later turns then still run as full batches, not as a few
+        # stragglers per batch), and similar lengths together (less padding).
+        todo.sort(key=lambda w: (sum(m["role"] == "user" for m in w.conv.messages),
+                                 sum(len(m["content"]) for m in w.history)))
         g0 = time.perf_counter()
         with (out / PARTIAL_FILE).open("a", encoding="utf-8") as partial:
             for start in range(0, len(todo), batch_size):
