@@ -62,6 +62,26 @@ def test_flex_mask_mod_equals_dense_mask():
     assert torch.equal(mod(b, 0, q, kv), dense)
 
 
+@pytest.mark.parametrize("step", [0, 1, 3])
+def test_document_by_document_attention_equals_the_dense_packed_mask(step):
+    from tiny_speculators.models.eagle3.attention import attend, packed_ttt_mask
+
+    g = torch.Generator().manual_seed(step)
+    doc = torch.tensor([[0] * 5 + [1] * 9 + [2] * 1 + [3] * 7, [0] * 12 + [1] * 10])  # B=2, T=22
+    t, steps = doc.shape[1], step + 1
+    q = torch.randn(2, 4, t, 8, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, steps * t, 8, generator=g, requires_grad=True)  # GQA, step-major keys
+    v = torch.randn(2, 2, steps * t, 8, generator=g, requires_grad=True)
+    dense = attend(q, k, v, ttt_mask_dense(step, t, doc), scale=0.3)
+    blocks = attend(q, k, v, packed_ttt_mask(step, doc), scale=0.3)
+    torch.testing.assert_close(blocks, dense)
+    w = torch.randn(dense.shape, generator=g)
+    grads_dense = torch.autograd.grad((dense * w).sum(), (q, k, v))
+    grads_blocks = torch.autograd.grad((blocks * w).sum(), (q, k, v))
+    for a, b in zip(grads_blocks, grads_dense, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_positions_from_documents():
     doc = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
     assert positions_from_documents(doc).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]

@@ -21,6 +21,8 @@ position, and each later draft step appended one key for the single position it 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -53,15 +55,69 @@ def is_block_mask(mask) -> bool:
     return BlockMask is not None and isinstance(mask, BlockMask)
 
 
+@dataclass(frozen=True)
+class PackedTTTMask:
+    """The TTT mask of packed documents, applied document by document (sdpa path).
+
+    One dense mask over a packed row of ``T`` tokens costs ``T * (step+1) * T`` scores, almost all of them
+    masked (documents never see each other). Instead, :func:`attend` gathers each document's queries and
+    keys into a padded block ``[n_docs, L]`` (``L`` = longest document), runs sdpa with the plain TTT mask of
+    length ``L``, and scatters the outputs back: ``n_docs * L * (step+1) * L`` scores, same result.
+    Build it with :func:`packed_ttt_mask`.
+    """
+
+    step: int
+    index: torch.Tensor  # [n_docs, L] long: flat (b * T + t) token of each block slot (pads repeat a real token)
+    valid: torch.Tensor  # [n_docs, L] bool: slot holds a real token
+
+
+def document_blocks(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, T]`` document ids (contiguous runs) -> (``index``, ``valid``) of :class:`PackedTTTMask`."""
+    b = document_ids.shape[0]
+    flat = (document_ids.long() - document_ids.min() + 1) * b + torch.arange(b, device=document_ids.device)[:, None]
+    _, lengths = torch.unique_consecutive(flat.reshape(-1), return_counts=True)
+    starts = torch.cumsum(lengths, 0) - lengths
+    width = int(lengths.max())
+    slot = torch.arange(width, device=document_ids.device)
+    valid = slot[None, :] < lengths[:, None]
+    index = starts[:, None] + torch.where(valid, slot[None, :], 0)
+    return index, valid
+
+
+def packed_ttt_mask(step: int, document_ids: torch.Tensor) -> PackedTTTMask:
+    index, valid = document_blocks(document_ids)
+    return PackedTTTMask(step, index, valid)
+
+
+def _attend_packed(q, k, v, mask: PackedTTTMask, scale: float) -> torch.Tensor:
+    b, hq, t, d = q.shape
+    steps = mask.step + 1
+    n, width = mask.index.shape
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # [B, H, steps*T, D] (step-major keys) -> [n, H, steps*L, D]
+        h = x.shape[1]
+        x = x.reshape(b, h, steps, t, d).permute(2, 0, 3, 1, 4).reshape(steps, b * t, h, d)[:, mask.index]
+        return x.permute(1, 3, 0, 2, 4).reshape(n, h, steps * width, d)  # (n, H, steps, L, D) step-major
+
+    q_blocks = q.transpose(1, 2).reshape(b * t, hq, d)[mask.index].transpose(1, 2)  # (n, Hq, L, D)
+    dense = ttt_mask_dense(mask.step, width, device=q.device)  # (1, 1, L, steps*L)
+    out = attend(q_blocks, blocks(k), blocks(v), dense, scale=scale)  # (n, Hq, L, D)
+    flat = q.new_zeros(b * t, hq, d)
+    flat = flat.index_put((mask.index[mask.valid],), out.transpose(1, 2)[mask.valid])
+    return flat.reshape(b, t, hq, d).transpose(1, 2)
+
+
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, *, scale: float, causal: bool = False
 ) -> torch.Tensor:
     """Attention of ``q [B, Hq, T, D]`` over ``k, v [B, Hkv, S, D]`` (GQA when Hkv < Hq).
 
     ``mask``: a boolean tensor broadcastable to ``[B, Hq, T, S]`` (True = attend), a flex
-    ``BlockMask``, or None with ``causal`` (plain causal attention, requires T == S).
+    ``BlockMask``, a :class:`PackedTTTMask`, or None with ``causal`` (plain causal attention, requires T == S).
     Returns ``[B, Hq, T, D]``.
     """
+    if isinstance(mask, PackedTTTMask):
+        return _attend_packed(q, k, v, mask, scale)
     gqa = q.shape[1] != k.shape[1]
     if is_block_mask(mask):
         return _flex_kernel(q.device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.attention import attend, is_block_mask
+from tiny_speculators.models.eagle3.attention import attend
 
 
 @dataclass
@@ -168,7 +168,7 @@ class Attention(nn.Module):
         if mask is None and past > 0:  # causal over cached + new keys
             s = k.shape[2]
             mask = torch.arange(s, device=x.device)[None, :] <= (past + torch.arange(t, device=x.device))[:, None]
-        if mask is not None and not is_block_mask(mask) and mask.shape[-1] != k.shape[2]:
+        if isinstance(mask, torch.Tensor) and mask.shape[-1] != k.shape[2]:
             raise ValueError(f"attention_mask covers {mask.shape[-1]} keys, but there are {k.shape[2]}")
         out = attend(q, k, v, mask, scale=1.0 / math.sqrt(self.head_dim), causal=mask is None)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))

@@ -81,7 +81,13 @@ from typing import Literal
 
 import torch
 
-from tiny_speculators.models.eagle3.attention import flex_available, ttt_block_mask, ttt_mask_dense
+from tiny_speculators.models.eagle3.attention import (
+    PackedTTTMask,
+    document_blocks,
+    flex_available,
+    ttt_block_mask,
+    ttt_mask_dense,
+)
 from tiny_speculators.models.eagle3.loss import (
     METRIC_KEYS,
     DenseTargets,
@@ -154,9 +160,12 @@ def rollout(draft: Eagle3Draft, input_ids, aux_hidden_states, position_ids, docu
     cache = KVCache()
     hidden = draft.fuse(aux_hidden_states)  # (B, T, H)
     outs = []
+    blocks = document_blocks(document_ids) if document_ids is not None and attention == "sdpa" else None
     for k in range(steps):
         if attention == "flex":
             mask = ttt_block_mask(k, t, document_ids, batch_size=b, device=input_ids.device)
+        elif blocks is not None:  # packed documents: attention document by document (no [T, (k+1)T] mask)
+            mask = PackedTTTMask(k, *blocks)
         else:
             mask = ttt_mask_dense(k, t, document_ids, batch_size=b, device=input_ids.device)
         ids_k = shift_left(input_ids, k + 1)  # x_{t+k+1}
