@@ -158,3 +158,32 @@ def test_bad_arguments_are_user_errors(tiny_inputs, tmp_path):
     train(**_common(tiny_inputs, tmp_path / "y", max_steps=1, batch_size=2))
     with pytest.raises(UserError, match="already holds checkpoints"):
         train(**_common(tiny_inputs, tmp_path / "y", max_steps=1, batch_size=2))
+
+
+def test_init_from_continues_from_a_trained_and_exported_draft(tiny_inputs, tmp_path):
+    """--init-from takes our checkpoint or its speculators export; with lr 0 the weights come back unchanged,
+    and the first step's loss is the trained draft's, far below a fresh draft's."""
+    from tiny_speculators.export.stage import export
+
+    fresh = train(**_common(tiny_inputs, tmp_path / "a", max_steps=12, batch_size=2))
+    export(tmp_path / "a" / "final", out=tmp_path / "exported", format="speculators")
+    trained = _weights(tmp_path / "a")
+    first_loss = {}
+    for name, source in (("ckpt", tmp_path / "a"), ("speculators", tmp_path / "exported")):
+        out = tmp_path / f"from-{name}"
+        train(**_common(tiny_inputs, out, max_steps=1, batch_size=2, lr=0.0, init_from=source))
+        _assert_same(_weights(out), trained, atol=0)
+        first_loss[name] = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["train/loss"]
+    start = json.loads((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[0])["train/loss"]
+    assert first_loss["ckpt"] == pytest.approx(first_loss["speculators"], rel=1e-6)
+    assert first_loss["ckpt"] < 0.8 * start, (first_loss, start, fresh["final_train"]["loss"])
+
+
+def test_init_from_with_another_vocabulary_is_a_user_error(tiny_inputs, tmp_path):
+    from tiny_speculators.data.vocab import vocab
+
+    train(**_common(tiny_inputs, tmp_path / "a", max_steps=1, batch_size=2))
+    vocab(data=tiny_inputs.prepared, out=tmp_path / "vocab128", size=128)
+    with pytest.raises(UserError, match="different draft vocabulary"):
+        train(**_common(tiny_inputs, tmp_path / "b", max_steps=1, batch_size=2, init_from=tmp_path / "a",
+                        vocab=tmp_path / "vocab128"))

@@ -189,10 +189,10 @@ def build_run(info: D.DistInfo, args: dict[str, Any]) -> Run:
         head = load_verifier_head(args["verifier"], trust_remote_code=args["trust_remote_code"])
         _check_manifest(source.manifest, head.config, args)
     config = head.config
-    if args["init_from"] is not None:
-        from tiny_speculators.models.eagle3.io import load_draft
+    if args["init_from"] is not None:  # our checkpoint, or a published draft in speculators / SGLang format
+        from tiny_speculators.export.importers import import_draft
 
-        draft, dcfg = load_draft(args["init_from"])
+        draft, dcfg = import_draft(args["init_from"], verifier=args["verifier"])
         if dcfg.get("aux_layer_ids") not in (None, aux):
             raise UserError(f"--init-from {args['init_from']} was trained on aux layers {dcfg['aux_layer_ids']}, "
                             f"this run uses {aux}")

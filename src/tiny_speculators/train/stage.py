@@ -107,7 +107,8 @@ def train(
         attention: sdpa (explicit masks, everywhere) or flex (flex-attention block masks).
         fsdp: shard the draft with FSDP2 (fully_shard) instead of DDP (needs torchrun).
         device: auto (cuda if available), cpu, or cuda.
-        init_from: start from this draft checkpoint folder (model.safetensors + draft_config.json).
+        init_from: start from this draft: one of our checkpoints (or a train output folder), or a published
+            draft in vLLM speculators or SGLang EAGLE-3 format; its vocabulary must equal --vocab.
         init_lm_head: initialize lm_head from the verifier's lm_head rows of the draft vocabulary.
         layer_type: draft decoder layer: auto (qwen3 for Qwen3 verifiers, else llama), llama, or qwen3.
         fc_norm: RMSNorm each aux chunk before fc (EAGLE 3.1).
