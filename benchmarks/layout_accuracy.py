@@ -37,10 +37,10 @@ def evaluate_on(draft_dir: Path, verifier: str, hs: Path, val_idx: list[int], st
     """Per-step accuracy / expected acceptance of ``draft_dir`` on samples ``val_idx`` of extraction ``hs``."""
     import torch
 
-    from tiny_speculators.models.eagle3.io import load_draft
-    from tiny_speculators.train.rollout import STAT_KEYS, TTTModule, summarize
+    from tiny_speculators.models.checkpoint import load_draft
+    from tiny_speculators.models.eagle3.objective import STAT_KEYS, TTTModule, summarize
     from tiny_speculators.train.sources import OfflineSource
-    from tiny_speculators.train.target import load_verifier_head
+    from tiny_speculators.verifier.head import load_verifier_head
 
     draft, _ = load_draft(draft_dir)
     module = TTTModule(draft, load_verifier_head(verifier).target_head, steps, 1.0, "sdpa").eval()
@@ -86,7 +86,7 @@ def main() -> None:
         t0 = time.perf_counter()
         train(verifier=a.verifier, vocab=a.vocab, out=out, hidden_states=hs, max_steps=a.train_steps,
                    batch_tokens=a.batch_tokens, pack=True, lr=a.lr, warmup_steps=a.warmup_steps,
-                   ttt_steps=a.ttt_steps, eval_fraction=a.eval_fraction, eval_every=0, save_every=0, seed=0,
+                   eagle3={"ttt_steps": a.ttt_steps}, eval_fraction=a.eval_fraction, eval_every=0, save_every=0, seed=0,
                    progress=False, resume=(out / "final").exists())
         results[layout] = {"bytes_per_token": ex["bytes_per_token"], "tokens": sum(HiddenStateReader(hs).lengths()),
                            "train_s_per_step": median_step_seconds(out), "wall_s": time.perf_counter() - t0}

@@ -37,10 +37,10 @@ def run_one(name: str, batch: int, seq: int, steps: int, ttt_steps: int, draft_v
     import torch
 
     from tiny_speculators.models.eagle3.builder import build_draft, draft_kwargs_from_verifier
-    from tiny_speculators.train.rollout import TTTModule, step_counts
+    from tiny_speculators.models.eagle3.objective import TTTModule, step_counts
     from tiny_speculators.train.schedule import build_optimizer
-    from tiny_speculators.train.target import head_from_model
     from tiny_speculators.verifier.capture import capture_hidden_states, default_aux_layer_ids
+    from tiny_speculators.verifier.head import head_from_model
     from tiny_speculators.verifier.load import load_verifier
 
     cfg = CONFIGS[name]

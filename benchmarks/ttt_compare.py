@@ -48,10 +48,10 @@ def self_answers(n: int, max_new_tokens: int, out: Path) -> Path:
 def evaluate_at(draft_dir: Path, hs: Path, val_idx: list[int], steps: int) -> dict:
     import torch
 
-    from tiny_speculators.models.eagle3.io import load_draft
-    from tiny_speculators.train.rollout import STAT_KEYS, TTTModule, summarize
+    from tiny_speculators.models.checkpoint import load_draft
+    from tiny_speculators.models.eagle3.objective import STAT_KEYS, TTTModule, summarize
     from tiny_speculators.train.sources import OfflineSource
-    from tiny_speculators.train.target import load_verifier_head
+    from tiny_speculators.verifier.head import load_verifier_head
 
     draft, _ = load_draft(draft_dir)
     head = load_verifier_head("smollm2-135m")
@@ -107,7 +107,8 @@ def main() -> None:
         t0 = time.perf_counter()
         s = train(verifier="smollm2-135m", vocab=vocab_dir, out=out, hidden_states=a.work / "hs",
                   max_steps=a.train_steps, batch_size=a.batch_size, lr=2e-3, warmup_steps=3, eval_fraction=0.15,
-                  eval_every=0, save_every=0, ttt_steps=k, seed=0, progress=False, resume=(out / "final").exists())
+                  eval_every=0, save_every=0, eagle3={"ttt_steps": k}, seed=0, progress=False,
+                  resume=(out / "final").exists())
         results[k] = {"train_s": time.perf_counter() - t0, "loop_s": s["train_seconds"]}
     from tiny_speculators.storage.reader import HiddenStateReader
 

@@ -81,8 +81,9 @@ def test_pipeline_end_to_end_skip_change_and_range(tiny_config, capsys):
     assert first["acceptance_length"] >= 1.0 and len(first["per_position_acceptance"]) == 2
     assert first["draft"] == str(run / "export")
     assert json.loads((run / "summary.json").read_text())["actions"] == first["actions"]
-    assert first["serve"] == vllm_serve_command(str(Path(yaml.safe_load(tiny_config.read_text())["verifier"])),
-                                                run / "export", 2)
+    assert first["serve"] == vllm_serve_command(
+        str(Path(yaml.safe_load(tiny_config.read_text())["verifier"])),
+        {"model": str((run / "export").resolve()), "num_speculative_tokens": 2, "method": "eagle3"})
     printed = capsys.readouterr().out
     assert "vllm serve" in printed and '"method": "eagle3"' in printed and "τ" in printed
 

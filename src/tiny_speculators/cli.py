@@ -11,52 +11,27 @@ config), so ``tiny-speculators prepare --help`` always matches ``tiny_speculator
 from __future__ import annotations
 
 import argparse
-import importlib
+import dataclasses
 import inspect
 import logging
 import sys
-from collections.abc import Callable, Sequence
+import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from tiny_speculators import __version__
-from tiny_speculators.config import _is_optional, bind, load_yaml, param_docs, stage_params
+from tiny_speculators.config import _is_optional, bind, load_yaml, option_sections, param_docs, stage_params
 from tiny_speculators.errors import UserError
+from tiny_speculators.stages import STAGES, StageNotBuilt, load_stage
 
-# name -> ("module:function", one-line description). Library code never imports this module.
-STAGES: dict[str, tuple[str, str]] = {
-    "prepare": ("tiny_speculators.data.prepare:prepare", "chat data -> token ids + assistant loss mask"),
-    "vocab": ("tiny_speculators.data.vocab:vocab", "draft vocabulary (d2t / t2d) from token counts"),
-    "regenerate": ("tiny_speculators.data.regenerate:regenerate",
-                   "rewrite assistant turns with the verifier's own answers"),
-    "extract": ("tiny_speculators.verifier.extract:extract", "verifier hidden states -> checksummed shards"),
-    "train": ("tiny_speculators.train.stage:train", "train an EAGLE-3 draft (offline or online)"),
-    "export": ("tiny_speculators.export.stage:export", "write a checkpoint in vLLM speculators format"),
-    "evaluate": ("tiny_speculators.evaluate.stage:evaluate", "real speculative decoding: acceptance, speed-up"),
-    "pipeline": ("tiny_speculators.pipeline:pipeline", "run every stage from one YAML file"),
-}
+__all__ = ["STAGES", "StageNotBuilt", "build_parser", "load_stage", "main"]
 
 log = logging.getLogger("tiny_speculators")
 
 
-class StageNotBuilt(UserError):
-    """The stage's module does not exist yet."""
-
-
-def load_stage(name: str) -> Callable[..., Any]:
-    target, _ = STAGES[name]
-    module_name, func_name = target.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name and module_name.startswith(e.name):
-            raise StageNotBuilt(f"the '{name}' stage is not built yet") from None
-        raise
-    return getattr(module, func_name)
-
-
-def _add_param(parser: argparse.ArgumentParser, name: str, p: inspect.Parameter, annotation: Any,
-               help_text: str) -> None:
+def _add_param(parser, name: str, p: inspect.Parameter, annotation: Any, help_text: str,
+               dest: str | None = None) -> None:
     _, inner = _is_optional(annotation)
     origin = get_origin(inner)
     help_text = help_text.replace("%", "%%")  # argparse %-formats help strings
@@ -77,7 +52,34 @@ def _add_param(parser: argparse.ArgumentParser, name: str, p: inspect.Parameter,
         kwargs["action"] = argparse.BooleanOptionalAction
     else:
         kwargs["metavar"] = name.upper() if origin is not Literal else None
-    parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, **kwargs)
+    parser.add_argument(flag, dest=dest or name, default=argparse.SUPPRESS, **kwargs)
+
+
+SECTION_SEP = "__"  # dest of a section flag: "<section>__<option>"
+
+
+def _add_sections(parser: argparse.ArgumentParser, func) -> None:
+    """``--<section>-<option>`` flags for each option section of ``func`` (e.g. ``--eagle3-ttt-steps``)."""
+    for section, options_type in option_sections(func).items():
+        group = parser.add_argument_group(f"{section} options", getattr(options_type, "__doc__", "").split("\n")[0])
+        docs = param_docs(options_type)
+        hints = typing.get_type_hints(options_type)
+        for field in dataclasses.fields(options_type):
+            p = inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default)
+            flag_name = f"{section}_{field.name}"
+            _add_param(group, flag_name, p, hints[field.name], docs.get(field.name, ""),
+                       dest=f"{section}{SECTION_SEP}{field.name}")
+
+
+def _group_sections(args: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in args.items():
+        if SECTION_SEP in key:
+            section, option = key.split(SECTION_SEP, 1)
+            out.setdefault(section, {})[option] = value
+        else:
+            out[key] = value
+    return out
 
 
 def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
@@ -94,6 +96,7 @@ def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
         docs = param_docs(func)
         for pname, (p, annotation) in stage_params(func).items():
             _add_param(sp, pname, p, annotation, docs.get(pname, ""))
+        _add_sections(sp, func)
     return parser
 
 
@@ -125,7 +128,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         func = load_stage(stage)
         values = load_yaml(config_path) if config_path else {}
-        values.update(args)
+        for key, value in _group_sections(args).items():
+            if isinstance(value, dict) and isinstance(values.get(key), dict):
+                values[key] = {**values[key], **value}  # flags override single options of a YAML section
+            else:
+                values[key] = value
         kwargs = bind(func, values, source=str(config_path) if config_path else "command line")
         positional = [kwargs.pop(n) for n, (p, _) in stage_params(func).items()
                       if p.kind is inspect.Parameter.POSITIONAL_ONLY and n in kwargs]

@@ -24,7 +24,7 @@ import yaml
 
 from tiny_speculators.errors import UserError
 
-__all__ = ["bind", "load_yaml", "param_docs", "stage_params"]
+__all__ = ["bind", "load_yaml", "option_sections", "param_docs", "stage_params"]
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -53,15 +53,27 @@ def stage_params(func: Callable[..., Any]) -> dict[str, tuple[inspect.Parameter,
     return params
 
 
+def option_sections(func: Callable[..., Any]) -> dict[str, type]:
+    """Nested option sections a stage takes besides its parameters (``train``: one per draft family), each a
+    frozen dataclass type; declared as ``func.option_sections`` and received through ``**kwargs``."""
+    return dict(getattr(func, "option_sections", {}) or {})
+
+
 def bind(func: Callable[..., Any], values: Mapping[str, Any], *, source: str = "config") -> dict[str, Any]:
     """Validate ``values`` against ``func``'s signature; return keyword arguments of the right types."""
+    from tiny_speculators.models.family import parse_options
+
     params = stage_params(func)
+    sections = option_sections(func)
     values = {str(k).replace("-", "_"): v for k, v in values.items()}
-    unknown = sorted(set(values) - set(params))
+    unknown = sorted(set(values) - set(params) - set(sections))
     if unknown:
-        known = ", ".join(params)
+        known = ", ".join([*params, *sections])
         raise UserError(f"{source}: unknown option(s) {', '.join(unknown)} for '{func.__name__}' (known: {known})")
     kwargs: dict[str, Any] = {}
+    for name, options_type in sections.items():
+        if name in values:
+            kwargs[name] = parse_options(options_type, values[name], f"{source}: option '{name}'")
     for name, (p, annotation) in params.items():
         if name in values:
             kwargs[name] = coerce(values[name], annotation, f"{source}: option '{name}'")

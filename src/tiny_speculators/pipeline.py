@@ -70,18 +70,9 @@ BUILTIN_PREFIX = "builtin:"
 
 
 def _stage_function(name: str) -> Callable[..., Any]:
-    from importlib import import_module
+    from tiny_speculators.stages import load_stage
 
-    module, func = {
-        "regenerate": ("tiny_speculators.data.regenerate", "regenerate"),
-        "prepare": ("tiny_speculators.data.prepare", "prepare"),
-        "vocab": ("tiny_speculators.data.vocab", "vocab"),
-        "extract": ("tiny_speculators.verifier.extract", "extract"),
-        "train": ("tiny_speculators.train.stage", "train"),
-        "export": ("tiny_speculators.export.stage", "export"),
-        "evaluate": ("tiny_speculators.evaluate.stage", "evaluate"),
-    }[name]
-    return getattr(import_module(module), func)
+    return load_stage(name)
 
 
 # ------------------------------------------------------------------------------------------ hashing
@@ -283,10 +274,10 @@ def _save_manifest(path: Path, manifest: dict[str, Any]) -> None:
     write_json_atomic(path, _jsonable(manifest))
 
 
-def vllm_serve_command(verifier_id: str, draft_dir: Path | str, k: int) -> str:
-    """The ``vllm serve`` line that serves ``verifier_id`` with the exported EAGLE-3 draft."""
-    spec = json.dumps({"model": str(draft_dir), "num_speculative_tokens": int(k), "method": "eagle3"})
-    return f"vllm serve {verifier_id} --speculative-config '{spec}'"
+def vllm_serve_command(verifier_id: str, speculative_config: dict[str, Any]) -> str:
+    """The ``vllm serve`` line that serves ``verifier_id`` with an exported draft (its format's speculative config,
+    from the export's ``summary.json``)."""
+    return f"vllm serve {verifier_id} --speculative-config '{json.dumps(speculative_config)}'"
 
 
 def pipeline(
@@ -405,21 +396,26 @@ def pipeline(
               "seconds": round(time.perf_counter() - t0, 2)}
     evaluation = records.get("evaluate", {})
     if evaluation.get("status") == "done" and isinstance(evaluation.get("summary"), dict):
-        result.update(_final_numbers(plan, evaluation["summary"]))
+        result.update(_final_numbers(plan, evaluation["summary"], records.get("export", {}).get("summary") or {}))
     _save_manifest(plan.run_dir / "summary.json", result)  # same atomic JSON write
     _print_table(result, records)
     return result
 
 
-def _final_numbers(plan: PipelinePlan, ev: dict[str, Any]) -> dict[str, Any]:
+def _final_numbers(plan: PipelinePlan, ev: dict[str, Any], exported: dict[str, Any]) -> dict[str, Any]:
     from tiny_speculators.verifier.load import verifier_id
 
     draft = plan.run_dir / "export"
-    k = ev.get("k") or plan.stages["evaluate"].kwargs.get("k", 4)
+    spec = dict(exported.get("vllm_speculative_config") or {})
+    if spec and ev.get("k"):  # serve with the k that was evaluated
+        spec["num_speculative_tokens"] = int(ev["k"])
+    serve = (vllm_serve_command(verifier_id(plan.verifier), spec) if spec
+             else exported.get("serve") or "this draft's format has no vLLM serve command")
     return {"acceptance_length": ev.get("acceptance_length"),
             "per_position_acceptance": ev.get("per_position_acceptance"),
+            "draft_forwards_per_step": ev.get("draft_forwards_per_step"),
             "speedup": ev.get("speedup"), "matches_baseline": ev.get("matches_baseline"), "draft": str(draft),
-            "serve": vllm_serve_command(verifier_id(plan.verifier), draft, k)}
+            "algorithm": exported.get("algorithm"), "serve": serve}
 
 
 def _print_table(result: dict[str, Any], records: dict[str, Any]) -> None:
@@ -445,7 +441,7 @@ def _print_table(result: dict[str, Any], records: dict[str, Any]) -> None:
         summary.add_row("per-position acceptance", " ".join(f"{a:.2f}" for a in per_pos) or "n/a")
         summary.add_row("speed-up vs verifier alone", fmt(result["speedup"]))
         summary.add_row("greedy output == verifier's", str(result.get("matches_baseline")))
-        summary.add_row("draft (speculators format)", result["draft"])
+        summary.add_row(f"draft ({result.get('algorithm') or 'exported'})", result["draft"])
         console.print(summary)
         console.print("serve it with vLLM:", style="bold")
         console.print(result["serve"], soft_wrap=True, markup=False, highlight=False)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tiny_speculators.evaluate.decoding import Eagle3Proposer
 from tiny_speculators.models.eagle3.builder import build_draft, draft_kwargs_from_verifier
+from tiny_speculators.models.eagle3.proposer import Eagle3Proposer
 
 
 def random_draft(model, draft_vocab: int | None = None, seed: int = 0, std: float = 0.02):

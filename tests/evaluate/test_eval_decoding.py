@@ -9,13 +9,13 @@ from eval_helpers import OracleProposer, random_draft
 from transformers import AutoModelForCausalLM
 
 from tiny_speculators.evaluate.decoding import (
-    Eagle3Proposer,
     TreeParams,
     autoregressive_generate,
     speculative_generate,
 )
 from tiny_speculators.evaluate.sampling import SamplingParams
 from tiny_speculators.evaluate.target import TargetRunner
+from tiny_speculators.models.eagle3.proposer import Eagle3Proposer
 from tiny_speculators.verifier.capture import default_aux_layer_ids
 
 TREE = TreeParams(depth=3, topk=3, total_tokens=8)

@@ -7,9 +7,10 @@ import torch
 from eval_helpers import random_draft
 from transformers import AutoModelForCausalLM
 
-from tiny_speculators.evaluate.decoding import Eagle3Proposer, TreeParams, speculative_generate
+from tiny_speculators.evaluate.decoding import TreeParams, speculative_generate
 from tiny_speculators.evaluate.prompts import load_prompts, render_prompt
 from tiny_speculators.evaluate.target import TargetRunner
+from tiny_speculators.models.eagle3.proposer import Eagle3Proposer
 from tiny_speculators.verifier.capture import default_aux_layer_ids
 
 

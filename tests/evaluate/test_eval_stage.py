@@ -14,7 +14,7 @@ from tiny_speculators.cli import main
 from tiny_speculators.errors import UserError
 from tiny_speculators.evaluate.prompts import load_prompts
 from tiny_speculators.evaluate.stage import evaluate
-from tiny_speculators.models.eagle3.io import save_draft
+from tiny_speculators.models.checkpoint import save_draft
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,9 @@ import torch
 from eval_helpers import self_distilled_draft
 from transformers import AutoModelForCausalLM
 
-from tiny_speculators.evaluate.decoding import Eagle3Proposer, TreeParams, speculative_generate
+from tiny_speculators.evaluate.decoding import TreeParams, speculative_generate
 from tiny_speculators.evaluate.target import TargetRunner
+from tiny_speculators.models.eagle3.proposer import Eagle3Proposer
 from tiny_speculators.models.eagle3.ttt import rollout
 
 AUX = [2, 4, 5]

@@ -15,8 +15,9 @@ def make_checkpoint(path: Path, verifier_dir: Path, *, draft_vocab: int = 512, s
     """
     from transformers import AutoConfig
 
-    from tiny_speculators.export.common import verifier_embeddings
-    from tiny_speculators.models.eagle3 import build_draft, draft_kwargs_from_verifier, save_draft
+    from tiny_speculators.models.checkpoint import save_draft
+    from tiny_speculators.models.eagle3 import build_draft, draft_kwargs_from_verifier
+    from tiny_speculators.verifier.describe import verifier_embeddings
 
     config = AutoConfig.from_pretrained(verifier_dir)
     generator = torch.Generator().manual_seed(seed)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.export import export, import_draft
-from tiny_speculators.models.eagle3 import load_draft
+from tiny_speculators.models.checkpoint import load_draft
 
 
 def assert_same_draft(a, b) -> None:
@@ -147,7 +147,7 @@ def test_not_a_checkpoint(tmp_path):
     (tmp_path / "hf").mkdir()
     hf_config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
     (tmp_path / "hf" / "config.json").write_text(json.dumps(hf_config))
-    with pytest.raises(UserError, match="is not an EAGLE-3 draft config"):
+    with pytest.raises(UserError, match="is not a draft config"):
         import_draft(tmp_path / "hf")
 
 

@@ -77,9 +77,10 @@ def ours(exported, smollm2_dir, smollm2_tokenizer) -> dict:
     """Our evaluator on the exported draft (imported back from the export): acceptance + greedy tokens."""
     from transformers import AutoModelForCausalLM
 
-    from tiny_speculators.evaluate.decoding import Eagle3Proposer, autoregressive_generate, speculative_generate
+    from tiny_speculators.evaluate.decoding import autoregressive_generate, speculative_generate
     from tiny_speculators.evaluate.target import TargetRunner
     from tiny_speculators.export import import_draft
+    from tiny_speculators.models.eagle3.proposer import Eagle3Proposer
 
     draft, config = import_draft(exported)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval().requires_grad_(False)

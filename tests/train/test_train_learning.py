@@ -16,7 +16,7 @@ def test_training_raises_step0_accuracy(smollm2_dir, tmp_path):
     out = tmp_path / "draft"
     summary = train(verifier=str(smollm2_dir), vocab=inputs.vocab, out=out, hidden_states=inputs.hidden_states,
                     max_steps=20, batch_size=4, lr=3e-3, warmup_steps=2, eval_fraction=0.2, eval_every=0,
-                    ttt_steps=2, seed=0, progress=False, save_every=0)
+                    eagle3={"ttt_steps": 2}, seed=0, progress=False, save_every=0)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     untrained = rows[0]["train/acc"][0]  # step 1's metrics are computed before the first update
     trained = summary["final_val"]["acc"][0]

@@ -19,7 +19,7 @@ def test_topk_layout_trains_with_the_same_accuracy_metric(tiny_inputs, tmp_path,
     extract(verifier=str(tiny_inputs.verifier), data=tiny_inputs.prepared, out=hs, dtype="float32", device="cpu",
             layout=layout, topk=16, progress=False)
     common = dict(verifier=str(tiny_inputs.verifier), vocab=tiny_inputs.vocab, eval_fraction=0.0, lr=1e-2,
-                  progress=False, seed=3, save_every=0, max_steps=2, batch_size=2, ttt_steps=2)
+                  progress=False, seed=3, save_every=0, max_steps=2, batch_size=2, eagle3={"ttt_steps": 2})
     full = train(out=tmp_path / "full", hidden_states=tiny_inputs.hidden_states, **common)
     top = train(out=tmp_path / "top", hidden_states=hs, **common)
     first = {}

@@ -1,1 +1,1 @@
-"""Real speculative decoding with a Hugging Face verifier and an EAGLE-3 draft: acceptance, speed-up, reports."""
+"""Real speculative decoding with a Hugging Face verifier and a draft of any family: acceptance, speed-up, reports."""

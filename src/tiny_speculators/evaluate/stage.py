@@ -21,7 +21,6 @@ import torch
 from tiny_speculators.errors import UserError
 from tiny_speculators.evaluate.decoding import (
     DecodeResult,
-    Eagle3Proposer,
     TreeParams,
     autoregressive_generate,
     speculative_generate,
@@ -51,7 +50,7 @@ def evaluate(
     draft: Path,
     out: Path,
     prompts: str = "builtin",
-    k: int = 4,
+    k: int | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -71,17 +70,19 @@ def evaluate(
 
     Args:
         verifier: the verifier: an embedded name (smollm2-135m), a local folder or a Hugging Face id.
-        draft: a draft folder: our checkpoint (draft_config.json), a train output folder, or an exported
-            speculators / SGLang EAGLE-3 folder.
+        draft: a draft folder of any family: our checkpoint (draft_config.json), a train output folder, or an
+            exported folder (speculators / SGLang format).
         out: output folder for results.json, summary.json and acceptance.png.
         prompts: a built-in set (builtin = all, chat, code, math) or a JSONL file of {"prompt"} / {"messages"}.
-        k: draft tokens per verification step (chain mode).
+        k: draft tokens per verification step (chain mode); default: what the draft records (its export's
+            speculative tokens, or what it was trained for), else 3.
         max_new_tokens: generation length limit per prompt (generation also stops at EOS).
         temperature: 0 = greedy; > 0 samples, with rejection sampling keeping the verifier's distribution.
         top_p: nucleus sampling threshold (1 = off).
         top_k: top-k sampling filter (0 = off).
-        tree: draft an EAGLE-2 dynamic tree instead of a chain, verified in one forward with a tree mask
-            (with temperature > 0 each node is verified by sampling the verifier: lossless, "target-only").
+        tree: draft a tree instead of a chain (families that support it: EAGLE-2 dynamic trees for EAGLE-3),
+            verified in one forward with a tree mask (with temperature > 0 each node is verified by sampling the
+            verifier: lossless, "target-only").
         tree_depth: tree levels (longest draft).
         tree_topk: children per expanded node and nodes expanded per level.
         tree_total_tokens: draft nodes sent to the verifier per step (root excluded).
@@ -92,11 +93,12 @@ def evaluate(
         max_prompts: evaluate only the first N prompts.
         trust_remote_code: allow custom modelling code of the verifier.
     """
-    from tiny_speculators.export.importers import import_draft
-    from tiny_speculators.verifier.capture import default_aux_layer_ids
+    from tiny_speculators.models import get_family
+    from tiny_speculators.models.family import options_from_record
+    from tiny_speculators.models.importing import import_draft
     from tiny_speculators.verifier.load import load_verifier, parse_dtype, verifier_id
 
-    if k < 1:
+    if k is not None and k < 1:
         raise UserError(f"k must be at least 1, not {k}")
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
@@ -110,19 +112,25 @@ def evaluate(
     model, tokenizer = load_verifier(verifier, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code)
     draft_model, config = import_draft(draft, verifier=verifier, device=device, dtype=torch_dtype)
     draft_model.eval().requires_grad_(False)
+    family = get_family(config["model_type"])
+    if k is None:
+        trained = config.get("trained_with")
+        k = int(config.get("speculative_tokens")
+                or (family.speculative_tokens(options_from_record(family.options, trained)) if trained else 0) or 3)
     n_layers = model.config.get_text_config().num_hidden_layers
     vocab = model.get_input_embeddings().weight.shape[0]
-    if draft_model.embed_tokens.num_embeddings != vocab:
-        raise UserError(f"draft {draft} was built for a vocabulary of {draft_model.embed_tokens.num_embeddings} "
+    if draft_model.kwargs["vocab_size"] != vocab:
+        raise UserError(f"draft {draft} was built for a vocabulary of {draft_model.kwargs['vocab_size']} "
                         f"tokens, verifier {verifier} has {vocab}")
-    aux_layer_ids = config.get("aux_layer_ids") or default_aux_layer_ids(n_layers)
+    aux_layer_ids = config.get("aux_layer_ids") or family.default_aux_layer_ids(n_layers)
     if not config.get("aux_layer_ids"):
-        log.warning("draft %s records no aux layer ids; using the EAGLE-3 default %s", draft, aux_layer_ids)
-    if len(aux_layer_ids) != draft_model.num_aux:
-        raise UserError(f"draft {draft} fuses {draft_model.num_aux} verifier layers but records aux layer ids "
-                        f"{aux_layer_ids}")
+        log.warning("draft %s records no aux layer ids; using the %s default %s", draft, family.name, aux_layer_ids)
+    if max(aux_layer_ids) >= n_layers:
+        raise UserError(f"draft {draft} reads verifier layers {aux_layer_ids}; verifier {verifier} has {n_layers}")
+    proposer = family.proposer(draft_model)
+    if tree and not proposer.supports_tree:
+        raise UserError(f"a {family.name} draft proposes chains only; evaluate it without --tree")
     target = TargetRunner(model, list(aux_layer_ids))
-    proposer = Eagle3Proposer(draft_model)
     eos = _eos_ids(model, tokenizer)
     encoded = [render_prompt(p, tokenizer) for p in prompt_list]
 
@@ -146,6 +154,7 @@ def evaluate(
             "id": prompt.id, "messages": prompt.messages, "prompt_tokens": len(ids),
             "tokens": res.tokens, "text": tokenizer.decode(res.tokens, skip_special_tokens=True),
             "seconds": res.seconds, "verifier_forwards": res.verifier_forwards,
+            "draft_forwards": res.draft_forwards,
             **acceptance_metrics(res.accepted, res.proposed, positions),
         }
         if baseline:
@@ -170,7 +179,8 @@ def evaluate(
     seconds = sum(r.seconds for r in spec_results)
     summary: dict[str, Any] = {
         "verifier": verifier, "verifier_id": verifier_id(verifier), "draft": str(draft),
-        "draft_format": config.get("source", {}).get("format"), "aux_layer_ids": list(aux_layer_ids),
+        "algorithm": family.name, "draft_format": config.get("source", {}).get("format"),
+        "aux_layer_ids": list(aux_layer_ids),
         "prompts": prompts, "num_prompts": len(prompt_list),
         "mode": (f"tree (depth {tree_depth}, topk {tree_topk}, {tree_total_tokens} tokens)" if tree
                  else f"chain (k={k})"),
@@ -182,6 +192,9 @@ def evaluate(
         "tokens_generated": generated, "seconds": seconds,
         "tokens_per_second": generated / seconds if seconds else None,
         "tokens_per_verifier_forward_incl_prefill": generated / sum(r.verifier_forwards for r in spec_results),
+        # draft forward passes per verification step (the prompt's commit counted once per prompt)
+        "draft_forwards_per_step": (sum(r.draft_forwards for r in spec_results)
+                                    / max(1, sum(len(r.accepted) for r in spec_results))),
         "wall_seconds": time.perf_counter() - t_start,
     }
     if baseline:

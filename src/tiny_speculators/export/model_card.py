@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,9 +33,9 @@ def _table(rows: list[tuple[str, str]]) -> str:
 def render_model_card(
     *,
     format: str,
+    family_card: Mapping[str, Any],
+    serve: str,
     verifier_name: str,
-    kwargs: Mapping[str, Any],
-    aux_layer_ids: list[int] | None,
     speculative_tokens: int,
     dtype: str,
     num_parameters: int,
@@ -44,40 +43,28 @@ def render_model_card(
     evaluation: Mapping[str, Any] | None,
     source: str,
 ) -> str:
-    """Markdown with a YAML header (``base_model`` = the verifier) for the hub or a model registry."""
-    if format == "speculators":
-        serve = (f"vllm serve {'<this folder>'}\n"
-                 f"# or, explicitly:\nvllm serve {verifier_name} --speculative-config "
-                 f"'{json.dumps({'model': '<this folder>', 'num_speculative_tokens': speculative_tokens})}'")
-    else:
-        serve = (f"python -m sglang.launch_server --model-path {verifier_name} --speculative-algorithm EAGLE3 \\\n"
-                 f"    --speculative-draft-model-path <this folder> --speculative-num-steps {speculative_tokens} \\\n"
-                 f"    --speculative-eagle-topk 1 --speculative-num-draft-tokens {speculative_tokens + 1}")
+    """Markdown with a YAML header (``base_model`` = the verifier) for the hub or a model registry.
+
+    ``family_card`` is the format's own text (``DraftFormat.card``): ``title``, ``about``, ``rows``, ``library``,
+    ``tags``; ``serve`` the command that serves the folder.
+    """
     draft_rows = [
-        ("decoder layer", f"{kwargs['layer_type']} (1 layer)"),
-        ("hidden size", str(kwargs["hidden_size"])),
-        ("verifier hidden size", str(kwargs.get("target_hidden_size") or kwargs["hidden_size"])),
-        ("attention heads / kv heads / head dim",
-         f"{kwargs['num_attention_heads']} / {kwargs['num_key_value_heads']} / {kwargs['head_dim']}"),
-        ("MLP width", str(kwargs["intermediate_size"])),
-        ("draft vocab / verifier vocab", f"{kwargs['draft_vocab_size']} / {kwargs['vocab_size']}"),
-        ("verifier layers fused (input of layer i)", ", ".join(map(str, aux_layer_ids or [])) or "default"),
-        ("norm_before_residual / norm_before_fc / fc_norm",
-         f"{kwargs['norm_before_residual']} / {kwargs['norm_before_fc']} / {kwargs['fc_norm']}"),
+        *family_card["rows"],
         ("parameters written", f"{num_parameters:,}"),
         ("dtype", dtype),
         ("speculative tokens (default)", str(speculative_tokens)),
     ]
+    tags = "\n".join(f"- {t}" for t in ["speculative-decoding", *family_card["tags"], "tiny-speculators"])
     parts = [
         "---",
         f"base_model: {verifier_name}",
-        "library_name: vllm" if format == "speculators" else "library_name: sglang",
-        "tags:\n- speculative-decoding\n- eagle3\n- speculators\n- tiny-speculators",
+        f"library_name: {family_card['library']}",
+        f"tags:\n{tags}",
         "---",
         "",
-        f"# EAGLE-3 draft for {verifier_name}",
+        f"# {family_card['title']} for {verifier_name}",
         "",
-        f"A one-layer EAGLE-3 draft model that speeds up generation of `{verifier_name}` by speculative decoding "
+        f"{family_card['about']} that speeds up generation of `{verifier_name}` by speculative decoding "
         f"(format: {format}). Exported by tiny-speculators from `{source}`.",
         "",
         "## Serve it",

@@ -5,6 +5,9 @@
     tiny-speculators export runs/train/best --out runs/sglang --format eagle3-sglang
     tiny-speculators export some/speculators-draft --out runs/sgl --format eagle3-sglang   # convert formats
 
+The format code lives with each family (``models/<family>/``); this stage writes the folder: weights,
+``config.json``, a model card and ``summary.json`` (with the command that serves it).
+
 Tiny CPU version (random 1-step draft of the embedded verifier)::
 
     python -c "from tiny_speculators.export.stage import export; export('runs/train', out='runs/export', \
@@ -27,20 +30,16 @@ from safetensors.torch import save_file
 
 from tiny_speculators.atomic import atomic_write
 from tiny_speculators.errors import UserError
-from tiny_speculators.export import sglang, speculators
-from tiny_speculators.export.common import (
-    EXPORT_DTYPES,
-    check_against_verifier,
-    read_json,
-    verifier_config,
-    write_json,
-)
-from tiny_speculators.export.importers import import_draft, resolve_checkpoint
+from tiny_speculators.export.common import EXPORT_DTYPES, read_json, write_json
 from tiny_speculators.export.model_card import render_model_card
+from tiny_speculators.models import FORMAT_NAMES, get_family
+from tiny_speculators.models.compat import check_against_verifier
+from tiny_speculators.models.family import ExportInfo, options_from_record
+from tiny_speculators.models.importing import OURS, import_draft, resolve_checkpoint
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SPECULATIVE_TOKENS = 3
+DEFAULT_SPECULATIVE_TOKENS = 3  # when neither the user nor the draft's training says otherwise
 
 
 def _verifier_name(given: str | None, recorded: str | None) -> str:
@@ -72,7 +71,7 @@ def _training_record(directory: Path, config: dict[str, Any]) -> dict[str, Any]:
             record["args"] = {k: v for k, v in meta["args"].items() if not isinstance(v, dict | list)}
         if isinstance(meta.get("val"), dict):
             record["validation"] = meta["val"]
-    if config.get("source", {}).get("format") not in (None, "tiny-speculators"):
+    if config.get("source", {}).get("format") not in (None, OURS):
         record["imported_from"] = config["source"]["format"]
     return record
 
@@ -81,23 +80,24 @@ def export(
     checkpoint: Path,
     /,
     out: Path,
-    format: Literal["speculators", "eagle3-sglang"] = "speculators",
+    format: Literal[FORMAT_NAMES] | None = None,
     verifier_name: str | None = None,
     speculative_tokens: int | None = None,
     dtype: Literal["float32", "bfloat16", "float16"] = "float32",
     eval_results: Path | None = None,
 ) -> dict[str, Any]:
-    """Export a draft checkpoint for vLLM (speculators format) or SGLang.
+    """Export a draft checkpoint in a format a server loads (default: its family's, vLLM's speculators format).
 
     Args:
         checkpoint: a train output folder (uses best/, then final/, then latest), one checkpoint folder,
-            or a draft in the speculators / SGLang format to convert.
+            or a draft in a published format to convert.
         out: output folder (config.json, model.safetensors, README.md, summary.json).
-        format: "speculators" (what `vllm serve <out>` loads) or "eagle3-sglang" (LlamaForCausalLMEagle3).
+        format: the output format; default the family's first (speculators: what `vllm serve <out>` loads).
+            eagle3-sglang writes SGLang's LlamaForCausalLMEagle3.
         verifier_name: the verifier recorded in the output (hub id or a local folder); defaults to the id the
             draft was trained against. Embedded names map to their hub id.
-        speculative_tokens: default number of draft tokens per step written to the config; defaults to the
-            training's TTT steps, else 3.
+        speculative_tokens: default number of draft tokens per step written to the config; defaults to what the
+            draft was trained for (e.g. EAGLE-3's TTT steps), else 3.
         dtype: dtype of the written weights (float32 is lossless; bfloat16 halves the file).
         eval_results: results.json of `tiny-speculators evaluate` for this draft, quoted in the model card.
     """
@@ -106,37 +106,33 @@ def export(
     if out.resolve() == source.resolve():
         raise UserError(f"--out {out} is the checkpoint folder itself; choose another folder")
     draft, config = import_draft(source, verifier=verifier_name)
-    kwargs = draft.kwargs
+    family = get_family(config["model_type"])
+    fmt = family.format(format)
     recorded = config.get("verifier") or {}
-    check_against_verifier(kwargs, recorded, recorded.get("name_or_path") or "recorded in the checkpoint",
-                           config.get("aux_layer_ids"))
+    check_against_verifier(draft.kwargs, recorded, recorded.get("name_or_path") or "recorded in the checkpoint")
     name = _verifier_name(verifier_name, recorded.get("name_or_path"))
     architectures = list(recorded.get("architectures") or [])
     if verifier_name:
+        from tiny_speculators.verifier.describe import verifier_config
+
         vcfg = verifier_config(verifier_name)
         if vcfg is not None:
-            check_against_verifier(kwargs, vcfg, verifier_name, config.get("aux_layer_ids"))
+            check_against_verifier(draft.kwargs, vcfg, verifier_name)
             architectures = list(getattr(vcfg, "architectures", None) or architectures)
-    aux = config.get("aux_layer_ids")
+    trained = config.get("trained_with")
     tokens = int(speculative_tokens or config.get("speculative_tokens")
-                 or (config.get("trained_with") or {}).get("ttt_steps") or DEFAULT_SPECULATIVE_TOKENS)
+                 or (family.speculative_tokens(options_from_record(family.options, trained)) if trained else 0)
+                 or DEFAULT_SPECULATIVE_TOKENS)
+    if tokens < 1:
+        raise UserError(f"speculative_tokens must be at least 1, got {tokens}")
     torch_dtype = EXPORT_DTYPES[dtype]
-
-    state = draft.state_dict()
-    if format == "speculators":
-        cfg = speculators.speculators_config(kwargs, aux_layer_ids=aux, verifier={"name_or_path": name,
-                                             "architectures": architectures},
-                                             speculative_tokens=tokens, dtype=torch_dtype)
-        tensors = speculators.export_state(state, kwargs, torch_dtype)
-    elif format == "eagle3-sglang":
-        cfg = sglang.sglang_config(kwargs, aux_layer_ids=aux, dtype=torch_dtype)
-        tensors = sglang.export_state(state, torch_dtype)
-    else:
-        raise UserError(f"unknown export format {format!r} (use speculators or eagle3-sglang)")
+    cfg, tensors = fmt.write(draft, ExportInfo(verifier_name=name, verifier_architectures=architectures,
+                                               speculative_tokens=tokens, dtype=torch_dtype))
 
     evaluation = read_json(Path(eval_results)) if eval_results else None
     num_parameters = sum(t.numel() for k, t in tensors.items() if k not in ("d2t", "t2d"))
-    card = render_model_card(format=format, verifier_name=name, kwargs=kwargs, aux_layer_ids=aux,
+    card = render_model_card(format=fmt.name, family_card=fmt.card(draft.kwargs),
+                             serve=fmt.serve(name, "<this folder>", tokens), verifier_name=name,
                              speculative_tokens=tokens, dtype=dtype, num_parameters=num_parameters,
                              training=_training_record(source, config), evaluation=evaluation, source=str(source))
 
@@ -145,20 +141,24 @@ def export(
     write_json(out / "config.json", cfg)
     atomic_write(out / "README.md", lambda tmp: Path(tmp).write_text(card))
     summary = {
-        "format": format,
+        "format": fmt.name,
+        "algorithm": family.name,
         "out": str(out),
         "source": str(source),
         "source_format": config["source"]["format"],
         "verifier": name,
         "speculative_tokens": tokens,
         "dtype": dtype,
-        "aux_layer_ids": aux,
+        "aux_layer_ids": draft.kwargs.get("aux_layer_ids"),
         "tensors": sorted(tensors),
         "parameters": num_parameters,
         "bytes": (out / "model.safetensors").stat().st_size,
+        "serve": fmt.serve(name, str(out.resolve()), tokens),
+        "vllm_speculative_config": (fmt.vllm_speculative_config(str(out.resolve()), tokens)
+                                    if fmt.vllm_speculative_config else None),
     }
     write_json(out / "summary.json", summary)
-    log.info("exported %s (%s, %d parameters) to %s", source, format, num_parameters, out)
+    log.info("exported %s (%s %s, %d parameters) to %s", source, family.name, fmt.name, num_parameters, out)
     _print_summary(summary)
     return summary
 
@@ -168,6 +168,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title="export", show_header=False)
-    for key in ("format", "out", "source", "verifier", "speculative_tokens", "dtype", "parameters", "bytes"):
+    for key in ("algorithm", "format", "out", "source", "verifier", "speculative_tokens", "dtype", "parameters",
+                "bytes"):
         table.add_row(key, json.dumps(summary[key]) if not isinstance(summary[key], str) else summary[key])
     Console(stderr=True).print(table)

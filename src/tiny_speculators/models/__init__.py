@@ -1,1 +1,42 @@
-"""Draft model families. Each algorithm is one sub-package (``eagle3``) with its modules, builder and loss."""
+"""Draft model families. Each algorithm is one sub-package (``eagle3/``, ``peagle/``) with its modules, builder,
+objective, proposer and formats; :data:`FAMILIES` is the one table the stages dispatch through
+(what a family provides: ``family.py``).
+
+    from tiny_speculators.models import FAMILIES, get_family
+    get_family("eagle3").options()          # Eagle3Options(ttt_steps=3, ...)
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from torch import nn
+
+from tiny_speculators.errors import UserError
+from tiny_speculators.models.eagle3.family import FAMILY as EAGLE3
+from tiny_speculators.models.family import DraftFamily
+
+FAMILIES: dict[str, DraftFamily] = {
+    "eagle3": EAGLE3,
+}
+
+Algorithm = Literal[tuple(FAMILIES)]  # the names, for typed stage options
+
+__all__ = ["FAMILIES", "FORMAT_NAMES", "Algorithm", "DraftFamily", "family_of", "get_family"]
+
+
+def get_family(name: str) -> DraftFamily:
+    if name not in FAMILIES:
+        raise UserError(f"unknown draft family {name!r} (known: {', '.join(FAMILIES)})")
+    return FAMILIES[name]
+
+
+def family_of(draft: nn.Module) -> DraftFamily:
+    """The family whose model class ``draft`` is (exact class, so a subclass family is told apart)."""
+    for family in FAMILIES.values():
+        if type(draft) is family.model:
+            return family
+    raise UserError(f"{type(draft).__name__} is not the model of any draft family ({', '.join(FAMILIES)})")
+
+
+FORMAT_NAMES = tuple(dict.fromkeys(fmt.name for family in FAMILIES.values() for fmt in family.formats))

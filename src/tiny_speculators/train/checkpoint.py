@@ -1,7 +1,7 @@
 """Training checkpoints people can read: ``OUT/step_000200/`` written atomically, found again by ``--resume``.
 
 A checkpoint folder holds the loadable draft (``model.safetensors`` + ``draft_config.json``, written by
-``models.eagle3.io.save_draft``), ``optimizer.pt`` (AdamW state in fp32 + the schedule position),
+``models.checkpoint.save_draft``), ``optimizer.pt`` (AdamW state in fp32 + the schedule position),
 ``rng.pt`` (torch / CUDA / python / numpy generator states, one entry per rank) and ``meta.json`` (step,
 epoch, position inside the epoch, tokens seen, best validation score, the run's options). Everything is
 written into ``OUT/.tmp-step_000200`` and renamed into place, so a ``step_*`` folder is always complete;

@@ -1,11 +1,12 @@
-"""The training loop, visible end to end: plan -> micro-batches -> TTT rollout -> exact loss normalization ->
-backward (grad accumulation, DDP/FSDP sync on the last micro-batch) -> clip -> AdamW step -> reduced metrics ->
-eval / checkpoint / best.
+"""The training loop, visible end to end: plan -> micro-batches -> the family's objective (e.g. a TTT rollout)
+-> exact loss normalization -> backward (grad accumulation, DDP/FSDP sync on the last micro-batch) -> clip ->
+AdamW step -> reduced metrics -> eval / checkpoint / best.
 
-Loss normalization is global: each TTT step's summed KL is divided by that step's count of loss positions
-over the WHOLE optimizer step (all ranks, all accumulation micro-batches; one small all-reduce before the
-forward passes), so grad-accum 2 x batch 1, batch 2 x accum 1 and 2 ranks x batch 1 all compute the same
-gradient. Metrics are reduced as sums and counts for the same reason.
+Loss normalization is global: each loss group's sum (e.g. each TTT step's summed KL) is divided by that group's
+count of loss positions over the WHOLE optimizer step (all ranks, all accumulation micro-batches; one small
+all-reduce before the forward passes), so grad-accum 2 x batch 1, batch 2 x accum 1 and 2 ranks x batch 1 all
+compute the same gradient. Metrics are reduced as sums and counts for the same reason. The loop knows nothing
+of the family: the objective gives ``loss_counts``, ``new_stats`` and ``summarize``.
 """
 
 from __future__ import annotations
@@ -27,33 +28,10 @@ from tiny_speculators.errors import UserError
 from tiny_speculators.train import distributed as D
 from tiny_speculators.train.data import batch_tokens_of, eval_share, plan_epoch, rank_share
 from tiny_speculators.train.metrics import MetricsLogger
-from tiny_speculators.train.rollout import STAT_KEYS, step_counts, summarize
+from tiny_speculators.train.options import TrainOptions
 from tiny_speculators.train.schedule import lr_at, set_lr
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LoopConfig:
-    out: Path
-    max_steps: int
-    ttt_steps: int
-    decay: float
-    lr: float
-    warmup_steps: int
-    min_lr_ratio: float
-    max_grad_norm: float
-    grad_accum: int
-    batch_size: int
-    batch_tokens: int | None
-    pack: bool
-    seed: int
-    precision: str
-    attention: str
-    eval_every: int
-    save_every: int
-    log_every: int = 1
-    progress: bool = True
 
 
 @dataclass
@@ -99,24 +77,25 @@ def _autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
-def new_stats(k: int, device: torch.device) -> dict[str, torch.Tensor]:
-    return {key: torch.zeros(k if key not in ("accept", "anchors") else 1, dtype=torch.float64, device=device)
-            for key in STAT_KEYS}
-
-
 def reduce_stats(stats: dict[str, torch.Tensor], info: D.DistInfo) -> dict[str, torch.Tensor]:
     """Exact sum over ranks of every statistic, in one all-reduce."""
-    flat = torch.cat([stats[k].reshape(-1) for k in STAT_KEYS])
+    keys = sorted(stats)
+    flat = torch.cat([stats[k].reshape(-1).double() for k in keys])
     D.all_reduce_sum(flat, info)
     out, i = {}, 0
-    for k in STAT_KEYS:
+    for k in keys:
         n = stats[k].numel()
-        out[k] = flat[i:i + n].clone()
+        out[k] = flat[i:i + n].clone().view_as(stats[k])
         i += n
     return out
 
 
-def evaluate(model: nn.Module, source, val_idx: list[int], lengths: list[int], cfg: LoopConfig,
+def _add(stats: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
+    for k in stats:
+        stats[k] += metrics[k]
+
+
+def evaluate(model: nn.Module, objective, source, val_idx: list[int], lengths: list[int], cfg: TrainOptions,
              info: D.DistInfo) -> dict[str, Any] | None:
     """Metrics on the validation split (each sample once across ranks)."""
     if not val_idx:
@@ -125,7 +104,7 @@ def evaluate(model: nn.Module, source, val_idx: list[int], lengths: list[int], c
                          world_size=info.world_size, pack=cfg.pack) for r in range(info.world_size)]
     mine = shares[info.rank]
     n_forward = max(len(s) for s in shares)  # FSDP needs every rank to run the same number of forwards
-    stats = new_stats(cfg.ttt_steps, info.device)
+    stats = objective.new_stats(info.device)
     was_training = model.training
     model.eval()
     with torch.no_grad():
@@ -134,17 +113,19 @@ def evaluate(model: nn.Module, source, val_idx: list[int], lengths: list[int], c
             with _autocast(info.device, cfg.precision):
                 out = model(batch)
             if i < len(mine):
-                for k in STAT_KEYS:
-                    stats[k] += out.metrics[k]
+                _add(stats, out.metrics)
     model.train(was_training)
-    return summarize(reduce_stats(stats, info), cfg.decay)
+    return objective.summarize(reduce_stats(stats, info))
 
 
-def train_loop(*, cfg: LoopConfig, info: D.DistInfo, model: nn.Module, optimizer: torch.optim.Optimizer,
-               source, train_idx: list[int], val_idx: list[int], state: TrainState,
+def train_loop(*, cfg: TrainOptions, max_steps: int, info: D.DistInfo, model: nn.Module, objective,
+               optimizer: torch.optim.Optimizer, source, train_idx: list[int], val_idx: list[int], state: TrainState,
                save_checkpoint: Callable[[TrainState], Path], save_best: Callable[[TrainState, dict], None],
                logger: MetricsLogger) -> dict[str, Any]:
-    """Run optimizer steps ``state.step .. cfg.max_steps``; returns the last train/val metrics."""
+    """Run optimizer steps ``state.step .. max_steps``; returns the last train/val metrics.
+
+    ``model`` is the (DDP/FSDP-wrapped) objective the forward goes through; ``objective`` the same module
+    unwrapped, for its ``loss_counts`` / ``new_stats`` / ``summarize``."""
     lengths = source.lengths()
     micro_per_step = info.world_size * cfg.grad_accum
     plan = plan_epoch(train_idx, lengths, epoch=state.epoch, seed=cfg.seed, batch_size=cfg.batch_size,
@@ -157,13 +138,13 @@ def train_loop(*, cfg: LoopConfig, info: D.DistInfo, model: nn.Module, optimizer
     if info.is_main and cfg.progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=cfg.max_steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True)
+        bar = tqdm(total=max_steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True)
     last_train: dict[str, Any] = {}
     last_val: dict[str, Any] | None = None
     last_saved: Path | None = None
     model.train()
     with StopRequested() as stop:
-        while state.step < cfg.max_steps:
+        while state.step < max_steps:
             if state.step_in_epoch >= len(plan):
                 state.epoch += 1
                 state.step_in_epoch = 0
@@ -172,22 +153,21 @@ def train_loop(*, cfg: LoopConfig, info: D.DistInfo, model: nn.Module, optimizer
             t0 = time.perf_counter()
             micro = rank_share(plan[state.step_in_epoch], info.rank, info.world_size)
             batches = [source.batch(idx, info.device, cfg.pack) for idx in micro]
-            # global per-TTT-step counts of loss positions -> the normalizer of this optimizer step
-            counts = torch.stack([step_counts(b, cfg.ttt_steps) for b in batches]).sum(0).float()
+            # global per-group counts of loss positions -> the normalizer of this optimizer step
+            counts = torch.stack([objective.loss_counts(b) for b in batches]).sum(0).float()
             D.all_reduce_sum(counts, info)
             normalizer = counts.clamp(min=1)
-            lr = lr_at(state.step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
+            lr = lr_at(state.step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=max_steps,
                        min_lr_ratio=cfg.min_lr_ratio)
             set_lr(optimizer, lr)
-            stats = new_stats(cfg.ttt_steps, info.device)
+            stats = objective.new_stats(info.device)
             tokens = 0
             for i, batch in enumerate(batches):
                 with D.no_sync(model, skip=i < len(batches) - 1), _autocast(info.device, cfg.precision):
                     out = model(batch, normalizer)
                     # DDP/FSDP average gradients over ranks; the loss is a share of a global sum: undo the average
                     (out.loss * info.world_size).backward()
-                for k in STAT_KEYS:
-                    stats[k] += out.metrics[k]
+                _add(stats, out.metrics)
                 tokens += batch_tokens_of(batch)
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in model.parameters() if p.requires_grad],
@@ -196,7 +176,7 @@ def train_loop(*, cfg: LoopConfig, info: D.DistInfo, model: nn.Module, optimizer
             totals = reduce_stats(stats, info)
             tok = torch.tensor([tokens], dtype=torch.float64, device=info.device)
             D.all_reduce_sum(tok, info)
-            metrics = summarize(totals, cfg.decay)
+            metrics = objective.summarize(totals)
             if not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm)):
                 optimizer.zero_grad(set_to_none=True)
                 where = f"{last_saved}" if last_saved else "none was written yet in this run"
@@ -211,17 +191,17 @@ def train_loop(*, cfg: LoopConfig, info: D.DistInfo, model: nn.Module, optimizer
             dt = time.perf_counter() - t0
             state.elapsed += dt
             last_train = metrics
-            if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
+            if state.step % cfg.log_every == 0 or state.step == max_steps:
                 logger.log(state.step, {**{f"train/{k}": v for k, v in metrics.items()}, "lr": lr,
                                         "grad_norm": grad_norm, "tokens_per_s": tok.item() / max(dt, 1e-9),
                                         "tokens_seen": state.tokens_seen, "epoch": state.epoch})
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acc'][0]:.3f}",
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{(metrics.get('acc') or [math.nan])[0]:.3f}",
                                 tok_s=f"{tok.item() / max(dt, 1e-9):.0f}")
-            done = state.step >= cfg.max_steps
+            done = state.step >= max_steps
             if val_idx and (done or (cfg.eval_every > 0 and state.step % cfg.eval_every == 0)):
-                last_val = evaluate(model, source, val_idx, lengths, cfg, info)
+                last_val = evaluate(model, objective, source, val_idx, lengths, cfg, info)
                 logger.log(state.step, {f"val/{k}": v for k, v in last_val.items()})
                 if state.best_accept is None or last_val["accept_len"] > state.best_accept:
                     state.best_accept = last_val["accept_len"]

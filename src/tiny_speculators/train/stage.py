@@ -1,5 +1,7 @@
-"""The ``train`` stage: train an EAGLE-3 draft against a frozen verifier, offline (from ``extract``'s shards)
-or online (the verifier runs in this process), on one process or many (``torchrun``).
+"""The ``train`` stage: train a draft of any family (``--algorithm``, default EAGLE-3) against a frozen verifier,
+offline (from ``extract``'s shards) or online (the verifier runs in this process), on one process or many
+(``torchrun``). Loop options are flat; a family's own options sit in its section (``--eagle3-ttt-steps 3``,
+YAML ``train: {algorithm: eagle3, eagle3: {ttt_steps: 3}}``).
 
     # tiny CPU run on the embedded verifier (after prepare / vocab / extract)
     tiny-speculators train --verifier smollm2-135m --hidden-states runs/hs --vocab runs/vocab --out runs/draft \
@@ -24,11 +26,14 @@ import numpy as np
 import torch
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.models import FAMILIES, Algorithm, get_family
+from tiny_speculators.models.family import parse_options
 from tiny_speculators.train import checkpoint as C
 from tiny_speculators.train import distributed as D
 from tiny_speculators.train.data import split_train_val
-from tiny_speculators.train.loop import LoopConfig, TrainState, train_loop
+from tiny_speculators.train.loop import TrainState, train_loop
 from tiny_speculators.train.metrics import MetricsLogger, plot_metrics
+from tiny_speculators.train.options import TrainOptions
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,7 @@ def train(
     hidden_states: Path | None = None,
     data: Path | None = None,
     online: bool = False,
+    algorithm: Algorithm = "eagle3",
     max_steps: int | None = None,
     epochs: int = 1,
     batch_size: int = 1,
@@ -52,8 +58,6 @@ def train(
     min_lr_ratio: float = 0.1,
     weight_decay: float = 0.0,
     max_grad_norm: float = 0.5,
-    ttt_steps: int = 3,
-    decay: float = 0.8,
     eval_fraction: float = 0.05,
     eval_every: int = 100,
     save_every: int = 200,
@@ -66,15 +70,13 @@ def train(
     device: str = "auto",
     init_from: Path | None = None,
     init_lm_head: bool = True,
-    layer_type: Literal["auto", "llama", "qwen3"] = "auto",
-    fc_norm: bool = False,
-    norm_before_residual: bool = False,
     aux_layer_ids: list[int] | None = None,
     log_every: int = 1,
     progress: bool = True,
     trust_remote_code: bool = False,
+    **family_options: Any,
 ) -> dict[str, Any]:
-    """Train an EAGLE-3 draft with training-time test (TTT) against a frozen verifier.
+    """Train a draft (EAGLE-3 by default) against a frozen verifier.
 
     Args:
         verifier: HF id, local folder, or an embedded name (smollm2-135m); the model the draft speculates for.
@@ -83,6 +85,7 @@ def train(
         hidden_states: extract output folder (offline training).
         data: prepare output folder (online training; needs --online).
         online: run the verifier in this process to produce hidden states on the fly (no disk).
+        algorithm: the draft family to train (models/<family>/); its own options go in the section of that name.
         max_steps: optimizer steps; default: epochs x steps per epoch.
         epochs: passes over the training split when max_steps is not given.
         batch_size: samples per micro-batch (per process) when batch_tokens is not set.
@@ -95,8 +98,6 @@ def train(
         min_lr_ratio: final learning rate as a fraction of lr.
         weight_decay: AdamW weight decay (not applied to norm weights).
         max_grad_norm: gradient clipping norm (0 disables clipping).
-        ttt_steps: TTT rollout length K (draft steps trained per position).
-        decay: weight of TTT step k's loss is decay**k.
         eval_fraction: fraction of samples held out for validation (best/ is chosen on it).
         eval_every: validate every N steps (0: only at the end).
         save_every: write a checkpoint every N steps (and always at the end).
@@ -110,16 +111,21 @@ def train(
         init_from: start from this draft: one of our checkpoints (or a train output folder), or a published
             draft in vLLM speculators or SGLang EAGLE-3 format; its vocabulary must equal --vocab.
         init_lm_head: initialize lm_head from the verifier's lm_head rows of the draft vocabulary.
-        layer_type: draft decoder layer: auto (qwen3 for Qwen3 verifiers, else llama), llama, or qwen3.
-        fc_norm: RMSNorm each aux chunk before fc (EAGLE 3.1).
-        norm_before_residual: use hidden_norm(h) as the residual (vLLM's flag).
-        aux_layer_ids: verifier layers fused in online mode (default [2, N//2, N-3]); offline uses the manifest's.
+        aux_layer_ids: verifier layers the draft reads in online mode (default: the family's, e.g. EAGLE-3's
+            [2, N//2, N-3]); offline uses the manifest's.
         log_every: write metrics every N steps.
         progress: show a progress bar.
         trust_remote_code: allow the verifier's custom code from the hub.
     """
-    from tiny_speculators.train.setup import build_run
-
+    unknown = sorted(set(family_options) - set(FAMILIES))
+    if unknown:
+        raise UserError(f"unknown train option(s) {', '.join(unknown)}")
+    strays = sorted(n for n, v in family_options.items() if v and n != algorithm)
+    if strays:
+        raise UserError(f"options for {', '.join(strays)} given, but the algorithm is {algorithm!r}: "
+                        "remove them or choose that algorithm")
+    family = get_family(algorithm)
+    options = parse_options(family.options, family_options.get(algorithm), f"train.{algorithm}")
     out = Path(out)
     if online == (hidden_states is not None):
         raise UserError("give either --hidden-states DIR (offline) or --data PREPARED_DIR --online")
@@ -127,20 +133,34 @@ def train(
         raise UserError("--online needs --data PREPARED_DIR (a prepare output folder)")
     if not online and data is not None:
         raise UserError("--data is for online training; add --online, or train offline with --hidden-states")
-    for name, v in (("grad_accum", grad_accum), ("batch_size", batch_size), ("ttt_steps", ttt_steps),
-                    ("epochs", epochs), ("log_every", log_every)):
+    for name, v in (("grad_accum", grad_accum), ("batch_size", batch_size), ("epochs", epochs),
+                    ("log_every", log_every)):
         if v < 1:
             raise UserError(f"{name} must be at least 1, got {v}")
     if attention == "flex":
-        from tiny_speculators.models.eagle3.attention import flex_available
-
-        if not flex_available():
-            raise UserError("attention 'flex' needs torch.nn.attention.flex_attention; use --attention sdpa")
+        try:
+            import torch.nn.attention.flex_attention  # noqa: F401
+        except ImportError:
+            raise UserError("attention 'flex' needs torch.nn.attention.flex_attention; use --attention sdpa") from None
+    opts = TrainOptions(
+        verifier=verifier, vocab=Path(vocab), out=out, algorithm=algorithm, family=options,
+        hidden_states=hidden_states, data=data, online=online, max_steps=max_steps, epochs=epochs,
+        batch_size=batch_size, batch_tokens=batch_tokens, pack=pack, max_length=max_length, grad_accum=grad_accum,
+        lr=lr, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, weight_decay=weight_decay,
+        max_grad_norm=max_grad_norm, eval_fraction=eval_fraction, eval_every=eval_every, save_every=save_every,
+        keep_last=keep_last, resume=resume, seed=seed, precision=precision, attention=attention, fsdp=fsdp,
+        device=device, init_from=init_from, init_lm_head=init_lm_head, aux_layer_ids=aux_layer_ids,
+        log_every=log_every, progress=progress, trust_remote_code=trust_remote_code,
+    )
     info = D.setup_distributed(device)
     try:
-        return _train(info, locals(), build_run)
+        return _train(info, opts)
     finally:
         D.teardown_distributed()
+
+
+# the family sections this stage takes (config.bind validates them against each family's options)
+train.option_sections = {name: family.options for name, family in FAMILIES.items()}
 
 
 def _seed_everything(seed: int) -> None:
@@ -149,57 +169,50 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _train(info: D.DistInfo, args: dict[str, Any], build_run) -> dict[str, Any]:
-    out: Path = args["out"]
-    resume_from = C.latest_checkpoint(out) if args["resume"] else None
-    if args["resume"] and resume_from is None:
+def _train(info: D.DistInfo, opts: TrainOptions) -> dict[str, Any]:
+    from tiny_speculators.train.data import plan_epoch
+    from tiny_speculators.train.setup import build_run
+
+    out = opts.out
+    resume_from = C.latest_checkpoint(out) if opts.resume else None
+    if opts.resume and resume_from is None:
         log.warning("--resume: no checkpoint in %s yet; starting from scratch", out)
-    if not args["resume"] and C.list_checkpoints(out):
+    if not opts.resume and C.list_checkpoints(out):
         raise UserError(f"{out} already holds checkpoints; pass --resume to continue or choose a new --out")
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
     D.barrier(info)
-    _seed_everything(args["seed"])
-    run = build_run(info, args)
-    train_idx, val_idx = split_train_val(len(run.source), args["eval_fraction"], args["seed"])
+    _seed_everything(opts.seed)
+    run = build_run(info, opts, get_family(opts.algorithm))
+    train_idx, val_idx = split_train_val(len(run.source), opts.eval_fraction, opts.seed)
     state = TrainState()
     if resume_from is not None:
         state = run.load_checkpoint(resume_from)
         log.info("resumed from %s (step %d, epoch %d)", resume_from, state.step, state.epoch)
-    micro_per_step = info.world_size * args["grad_accum"]
-    from tiny_speculators.train.data import plan_epoch
-
-    steps_per_epoch = len(plan_epoch(train_idx, run.source.lengths(), epoch=0, seed=args["seed"],
-                                     batch_size=args["batch_size"], batch_tokens=args["batch_tokens"],
-                                     micro_per_step=micro_per_step, pack=args["pack"]))
-    max_steps = args["max_steps"] if args["max_steps"] is not None else args["epochs"] * steps_per_epoch
-    cfg = LoopConfig(
-        out=out, max_steps=max_steps, ttt_steps=args["ttt_steps"], decay=args["decay"], lr=args["lr"],
-        warmup_steps=args["warmup_steps"], min_lr_ratio=args["min_lr_ratio"], max_grad_norm=args["max_grad_norm"],
-        grad_accum=args["grad_accum"], batch_size=args["batch_size"], batch_tokens=args["batch_tokens"],
-        pack=args["pack"], seed=args["seed"], precision=args["precision"], attention=args["attention"],
-        eval_every=args["eval_every"], save_every=args["save_every"], log_every=args["log_every"],
-        progress=args["progress"],
-    )
+    micro_per_step = info.world_size * opts.grad_accum
+    steps_per_epoch = len(plan_epoch(train_idx, run.source.lengths(), epoch=0, seed=opts.seed,
+                                     batch_size=opts.batch_size, batch_tokens=opts.batch_tokens,
+                                     micro_per_step=micro_per_step, pack=opts.pack))
+    max_steps = opts.max_steps if opts.max_steps is not None else opts.epochs * steps_per_epoch
     logger = MetricsLogger(out, enabled=info.is_main, resume_step=state.step if resume_from else None)
-    log.info("training %s: %d train / %d val samples, %d steps/epoch, %d steps, world size %d",
-             "online" if args["online"] else "offline", len(train_idx), len(val_idx), steps_per_epoch, max_steps,
+    log.info("training %s %s: %d train / %d val samples, %d steps/epoch, %d steps, world size %d", opts.algorithm,
+             "online" if opts.online else "offline", len(train_idx), len(val_idx), steps_per_epoch, max_steps,
              info.world_size)
     t0 = time.perf_counter()
     try:
-        result = train_loop(cfg=cfg, info=info, model=run.model, optimizer=run.optimizer, source=run.source,
-                            train_idx=train_idx, val_idx=val_idx,
-                            state=state, save_checkpoint=lambda s: run.save_checkpoint(s, keep_last=args["keep_last"]),
-                            save_best=run.save_best, logger=logger)
+        result = train_loop(cfg=opts, max_steps=max_steps, info=info, model=run.model, objective=run.objective,
+                            optimizer=run.optimizer, source=run.source, train_idx=train_idx, val_idx=val_idx,
+                            state=state, save_checkpoint=run.save_checkpoint, save_best=run.save_best, logger=logger)
     finally:
         logger.close()
     run.save_final(state)
     summary = {
-        "verifier": args["verifier"], "mode": "online" if args["online"] else "offline", "steps": state.step,
-        "epochs_started": state.epoch + 1, "tokens_seen": state.tokens_seen, "world_size": info.world_size,
-        "train_seconds": round(time.perf_counter() - t0, 2), "best_val_accept_len": state.best_accept,
-        "final_train": result["train"], "final_val": result["val"], "ttt_steps": cfg.ttt_steps,
-        "draft_parameters": run.trainable_parameters, "out": str(out),
+        "verifier": opts.verifier, "algorithm": opts.algorithm, "mode": "online" if opts.online else "offline",
+        "steps": state.step, "epochs_started": state.epoch + 1, "tokens_seen": state.tokens_seen,
+        "world_size": info.world_size, "train_seconds": round(time.perf_counter() - t0, 2),
+        "best_val_accept_len": state.best_accept, "final_train": result["train"], "final_val": result["val"],
+        "family_options": run.draft_meta["trained_with"], "draft_parameters": run.trainable_parameters,
+        "out": str(out),
     }
     if info.is_main:
         plot_metrics(out)

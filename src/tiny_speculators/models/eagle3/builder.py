@@ -15,13 +15,14 @@ import torch
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.eagle3.model import Eagle3Draft
+from tiny_speculators.models.importing import check_vocab_maps
 
 log = logging.getLogger(__name__)
 
 _OVERRIDABLE = {
     "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_aux", "rms_norm_eps",
     "rope_parameters", "max_position_embeddings", "attention_bias", "layer_type", "norm_before_residual",
-    "norm_before_fc", "fc_norm", "train_embeddings", "hidden_act",
+    "norm_before_fc", "fc_norm", "train_embeddings", "hidden_act", "aux_layer_ids",
 }
 
 
@@ -50,7 +51,7 @@ def draft_kwargs_from_verifier(verifier_config: Any, draft_vocab_size: int, **ov
     a speculators checkpoint whose ``transformer_layer_config`` is the verifier's). ``overrides``
     may change any of: ``intermediate_size, num_attention_heads, num_key_value_heads, head_dim, num_aux,
     rms_norm_eps, rope_parameters, max_position_embeddings, attention_bias, layer_type,
-    norm_before_residual, norm_before_fc, fc_norm, train_embeddings, hidden_act``.
+    norm_before_residual, norm_before_fc, fc_norm, train_embeddings, hidden_act, aux_layer_ids``.
     """
     cfg = _get(verifier_config, "text_config") or verifier_config  # multimodal wrappers
     unknown = set(overrides) - _OVERRIDABLE
@@ -86,17 +87,6 @@ def draft_kwargs_from_verifier(verifier_config: Any, draft_vocab_size: int, **ov
     return kwargs
 
 
-def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> torch.Tensor:
-    """Validate ``d2t``/``t2d`` against each other; returns the draft->target id table (sorted target ids)."""
-    if d2t.shape != (draft_vocab_size,) or t2d.shape != (vocab_size,):
-        raise UserError(f"vocab maps have shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)}; the draft needs "
-                        f"({draft_vocab_size},) and ({vocab_size},)")
-    target_ids = torch.arange(draft_vocab_size) + d2t.long().cpu()
-    if not torch.equal(target_ids, torch.nonzero(t2d.cpu().bool()).flatten()):
-        raise UserError("d2t and t2d disagree: draft id i must map to the i-th selected target id")
-    return target_ids
-
-
 def build_draft(
     kwargs: Mapping[str, Any],
     d2t: torch.Tensor,
@@ -128,3 +118,29 @@ def build_draft(
                                 f"({draft.embed_tokens.num_embeddings}, {draft.hidden_size})")
             draft.lm_head.weight.copy_(lm_head_weight[target_ids.to(lm_head_weight.device)])
     return draft
+
+
+def decoder_fields(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The HF decoder-config fields of the draft's decoder layer(s) that every export format writes.
+
+    RoPE goes in the v4 layout (``rope_theta``/``rope_scaling``); formats read by v5 add ``rope_parameters``.
+    """
+    rope = dict(kwargs["rope_parameters"])
+    rope_type = rope.get("rope_type", "default")
+    return {
+        "vocab_size": int(kwargs["vocab_size"]),
+        "hidden_size": int(kwargs["hidden_size"]),
+        "intermediate_size": int(kwargs["intermediate_size"]),
+        "num_hidden_layers": int(kwargs.get("num_layers", 1)),
+        "num_attention_heads": int(kwargs["num_attention_heads"]),
+        "num_key_value_heads": int(kwargs["num_key_value_heads"]),
+        "head_dim": int(kwargs["head_dim"]),
+        "hidden_act": kwargs.get("hidden_act", "silu"),
+        "rms_norm_eps": float(kwargs["rms_norm_eps"]),
+        "max_position_embeddings": int(kwargs["max_position_embeddings"]),
+        "attention_bias": bool(kwargs.get("attention_bias", False)),
+        # never tied: the draft's lm_head covers the draft vocab, its embeddings the full one
+        "tie_word_embeddings": False,
+        "rope_theta": float(rope.get("rope_theta", 10000.0)),
+        "rope_scaling": None if rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
+    }

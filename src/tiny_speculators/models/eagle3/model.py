@@ -225,6 +225,7 @@ class Eagle3Draft(nn.Module):
         fc_norm: one RMSNorm per aux chunk (``fc_norm.{i}``) before ``fc`` (EAGLE 3.1).
         train_embeddings: leave ``embed_tokens`` trainable (frozen by default).
         hidden_act: only "silu" (gated SiLU MLP) is supported.
+        aux_layer_ids: the verifier layers whose inputs are fused (``num_aux`` of them; None = not recorded).
     """
 
     def __init__(
@@ -249,8 +250,12 @@ class Eagle3Draft(nn.Module):
         fc_norm: bool = False,
         train_embeddings: bool = False,
         hidden_act: str = "silu",
+        aux_layer_ids: list[int] | None = None,
     ) -> None:
         super().__init__()
+        if aux_layer_ids is not None and len(aux_layer_ids) != num_aux:
+            raise UserError(f"{len(aux_layer_ids)} aux layer ids {list(aux_layer_ids)} for a draft that fuses "
+                            f"{num_aux} verifier layers")
         if layer_type not in ("llama", "qwen3"):
             raise UserError(f"layer_type must be 'llama' or 'qwen3', got {layer_type!r}")
         if hidden_act != "silu":
@@ -268,6 +273,7 @@ class Eagle3Draft(nn.Module):
             max_position_embeddings=max_position_embeddings, attention_bias=attention_bias, layer_type=layer_type,
             norm_before_residual=norm_before_residual, norm_before_fc=norm_before_fc, fc_norm=fc_norm,
             train_embeddings=train_embeddings, hidden_act=hidden_act,
+            aux_layer_ids=None if aux_layer_ids is None else [int(i) for i in aux_layer_ids],
         )
         self.hidden_size, self.draft_vocab_size, self.num_aux = hidden_size, draft_vocab_size, num_aux
         self.target_hidden_size = target_hidden_size
@@ -304,6 +310,12 @@ class Eagle3Draft(nn.Module):
                 m.weight.normal_(0.0, std)
             elif isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
+
+    def after_load(self, device: str | torch.device) -> None:
+        """After weights were assigned into a meta-device build: rebuild RoPE buffers, re-freeze embeddings."""
+        self.rotary = Rotary(self.kwargs["head_dim"], self.kwargs["rope_parameters"],
+                             self.kwargs["max_position_embeddings"]).to(device)
+        self.embed_tokens.weight.requires_grad_(bool(self.kwargs.get("train_embeddings", False)))
 
     def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """``[B, T, num_aux*Ht]`` verifier states -> ``[B, T, H]`` (optional input_norm / fc_norm, then fc)."""

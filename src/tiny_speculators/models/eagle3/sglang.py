@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.export.common import cast_state, decoder_fields, dtype_name, read_json, require
-from tiny_speculators.models.eagle3.builder import rope_parameters_of
+from tiny_speculators.models.eagle3.builder import decoder_fields, rope_parameters_of
+from tiny_speculators.models.family import DraftFormat, ExportInfo
+from tiny_speculators.models.files import cast_state, dtype_name, read_json, require
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -147,3 +148,44 @@ def normalize_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
             name = "layers.0." + name.removeprefix("midlayers.0.")
         out[name] = tensor
     return out
+
+
+# ---------------------------------------------------------------- the format, for the family table
+
+
+def write(draft, info: ExportInfo) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    cfg = sglang_config(draft.kwargs, aux_layer_ids=draft.kwargs.get("aux_layer_ids"), dtype=info.dtype)
+    return cfg, export_state(draft.state_dict(), info.dtype)
+
+
+def read(directory: Path, raw: Mapping[str, Any], tensors: dict[str, torch.Tensor]):
+    cfg = read_config(directory)
+    state = normalize_state(tensors)
+    if "fc.weight" not in state or "lm_head.weight" not in state:
+        raise UserError(f"{directory} ({ARCHITECTURE} format) lacks fc.weight or lm_head.weight")
+    rows = int(state["lm_head.weight"].shape[0])
+    if cfg.get("draft_vocab_size") not in (None, rows):
+        raise UserError(f"{directory}/config.json has draft_vocab_size {cfg['draft_vocab_size']} but "
+                        f"lm_head.weight has {rows} rows")
+    kwargs = draft_kwargs(cfg, rows, state["fc.weight"].shape[1])
+    kwargs["aux_layer_ids"] = aux_layer_ids_of(cfg, None)
+    record = {"verifier": {"name_or_path": None, "architectures": [], "hidden_size": kwargs["target_hidden_size"],
+                           "vocab_size": kwargs["vocab_size"]},
+              "resolve_aux": lambda layers: aux_layer_ids_of(cfg, layers)}
+    return kwargs, state, record
+
+
+def serve(verifier_name: str, folder: str, k: int) -> str:
+    return (f"python -m sglang.launch_server --model-path {verifier_name} --speculative-algorithm EAGLE3 \\\n"
+            f"    --speculative-draft-model-path {folder} --speculative-num-steps {k} \\\n"
+            f"    --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
+
+
+def card(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    from tiny_speculators.models.eagle3.speculators import layer_rows
+
+    return {"title": "EAGLE-3 draft", "library": "sglang", "tags": ["eagle3"],
+            "about": "A one-layer EAGLE-3 draft model", "rows": layer_rows(kwargs)}
+
+
+FORMAT = DraftFormat(name="eagle3-sglang", write=write, detect=is_sglang_config, read=read, serve=serve, card=card)

@@ -13,7 +13,6 @@ the full verifier is loaded instead (slower, same result).
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tiny_speculators.verifier.describe import safetensor_index
 from tiny_speculators.verifier.load import resolve_verifier
 from tiny_speculators.verifier.modules import find_parts
 
@@ -58,26 +58,11 @@ def _param_names(model: nn.Module, module: nn.Module) -> dict[str, list[str]]:
     return names
 
 
-def _safetensor_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> file, from the index or the single model.safetensors."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        return {k: folder / v for k, v in weight_map.items()}
-    single = folder / "model.safetensors"
-    if single.is_file():
-        from safetensors import safe_open
-
-        with safe_open(single, "pt") as f:
-            return dict.fromkeys(f.keys(), single)
-    return {}
-
-
 def _load_partial(folder: Path, config, dtype: torch.dtype) -> VerifierHead | None:
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    files = _safetensor_files(folder)
+    files = safetensor_index(folder)
     if not files:
         return None
     with torch.device("meta"):

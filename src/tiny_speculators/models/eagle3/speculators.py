@@ -8,7 +8,7 @@ with the draft's weights under their speculators names, ``d2t`` and ``t2d``.
 the verifier's embedding matrix with the draft (``llm_base_proposer``: "EAGLE model without its own
 embed_tokens"), exactly what a frozen copy would compute, and the file is ``vocab x H`` smaller.
 
-    from tiny_speculators.export.speculators import speculators_config
+    from tiny_speculators.models.eagle3.speculators import speculators_config
     cfg = speculators_config(draft.kwargs, aux_layer_ids=[2, 15, 27],
                              verifier={"name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"})
 """
@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.export.common import cast_state, decoder_fields, dtype_name, read_json, require
-from tiny_speculators.models.eagle3.builder import rope_parameters_of
+from tiny_speculators.models.eagle3.builder import decoder_fields, rope_parameters_of
+from tiny_speculators.models.family import DraftFormat, ExportInfo
+from tiny_speculators.models.files import cast_state, dtype_name, read_json, require
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,8 @@ def export_state(state: Mapping[str, torch.Tensor], kwargs: Mapping[str, Any],
 
 
 def is_speculators_config(config: Mapping[str, Any]) -> bool:
-    return "speculators_model_type" in config or "speculators_config" in config
+    """An EAGLE-3 draft in the speculators format (not a parallel-drafting P-EAGLE one)."""
+    return config.get("speculators_model_type") == "eagle3" and not config.get("parallel_drafting")
 
 
 def read_config(directory: Path) -> dict[str, Any]:
@@ -218,3 +220,62 @@ def normalize_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
             continue
         out[name.removeprefix("model.")] = tensor
     return out
+
+
+# ---------------------------------------------------------------- the format, for the family table
+
+
+def write(draft, info: ExportInfo) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    kwargs = draft.kwargs
+    cfg = speculators_config(kwargs, aux_layer_ids=kwargs.get("aux_layer_ids"),
+                             verifier={"name_or_path": info.verifier_name,
+                                       "architectures": info.verifier_architectures},
+                             speculative_tokens=info.speculative_tokens, dtype=info.dtype)
+    return cfg, export_state(draft.state_dict(), kwargs, info.dtype)
+
+
+def read(directory: Path, raw: Mapping[str, Any], tensors: dict[str, torch.Tensor]):
+    cfg = read_config(directory)
+    state = normalize_state(tensors)
+    fc = state.get("fc.weight")
+    kwargs = draft_kwargs(cfg, fc.shape[1] if fc is not None else None)
+    aux = cfg.get("eagle_aux_hidden_state_layer_ids")
+    kwargs["aux_layer_ids"] = [int(i) for i in aux] if aux else None
+    return kwargs, state, {"verifier": verifier_of(cfg), "speculative_tokens": speculative_tokens_of(cfg)}
+
+
+def vllm_speculative_config(folder: str, k: int) -> dict[str, Any]:
+    return {"model": folder, "num_speculative_tokens": int(k), "method": "eagle3"}
+
+
+def serve(verifier_name: str, folder: str, k: int) -> str:
+    import json
+
+    return (f"vllm serve {folder}\n# or, explicitly:\nvllm serve {verifier_name} --speculative-config "
+            f"'{json.dumps(vllm_speculative_config(folder, k))}'")
+
+
+def card(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    return {"title": "EAGLE-3 draft", "library": "vllm", "tags": ["eagle3", "speculators"],
+            "about": "A one-layer EAGLE-3 draft model", "rows": layer_rows(kwargs)}
+
+
+def layer_rows(kwargs: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The draft's shape for a model card."""
+    return [
+        ("decoder layer", f"{kwargs['layer_type']} ({kwargs.get('num_layers', 1)} layer(s))"),
+        ("hidden size", str(kwargs["hidden_size"])),
+        ("verifier hidden size", str(kwargs.get("target_hidden_size") or kwargs["hidden_size"])),
+        ("attention heads / kv heads / head dim",
+         f"{kwargs['num_attention_heads']} / {kwargs['num_key_value_heads']} / {kwargs['head_dim']}"),
+        ("MLP width", str(kwargs["intermediate_size"])),
+        ("draft vocab / verifier vocab", f"{kwargs['draft_vocab_size']} / {kwargs['vocab_size']}"),
+        ("verifier layers fused (input of layer i)", ", ".join(map(str, kwargs.get("aux_layer_ids") or []))
+         or "default"),
+        ("norm_before_residual / norm_before_fc / fc_norm",
+         f"{kwargs['norm_before_residual']} / {kwargs['norm_before_fc']} / {kwargs['fc_norm']}"),
+    ]
+
+
+FORMAT = DraftFormat(name="speculators", write=write, detect=is_speculators_config, read=read, serve=serve,
+                     card=card, vllm_speculative_config=vllm_speculative_config)

@@ -1,0 +1,31 @@
+"""Does a draft fit a verifier? Hidden size, vocabulary and the verifier layers it reads, for any family."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tiny_speculators.errors import UserError
+
+__all__ = ["check_against_verifier"]
+
+
+def _field(obj: Any, key: str) -> Any:
+    return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
+
+
+def check_against_verifier(draft_kwargs: Mapping[str, Any], verifier: Any, name: str) -> None:
+    """UserError when the draft cannot run on this verifier (``verifier``: its text config or a recorded dict)."""
+    hidden = int(_field(verifier, "hidden_size") or 0)
+    vocab = int(_field(verifier, "vocab_size") or 0)
+    layers = _field(verifier, "num_hidden_layers")
+    target_hidden = draft_kwargs.get("target_hidden_size") or draft_kwargs["hidden_size"]
+    if hidden and hidden != target_hidden:
+        raise UserError(f"verifier {name} has hidden size {hidden} but the draft was built for verifier hidden "
+                        f"size {target_hidden}: the draft does not belong to this verifier")
+    if vocab and vocab != draft_kwargs["vocab_size"]:
+        raise UserError(f"verifier {name} has vocab size {vocab} but the draft's embeddings and t2d cover "
+                        f"{draft_kwargs['vocab_size']} tokens: the draft does not belong to this verifier")
+    aux = draft_kwargs.get("aux_layer_ids")
+    if layers and aux and max(aux) >= int(layers):
+        raise UserError(f"aux layer ids {list(aux)} do not exist in verifier {name} ({layers} layers)")

@@ -1,0 +1,215 @@
+"""What a draft family provides: the one seam between an algorithm and the stages that train, export,
+evaluate and serve it.
+
+A family is a frozen :class:`DraftFamily` of plain functions and types, listed in the one table in
+``models/__init__.py``. ``train``, ``export``, ``evaluate`` and ``pipeline`` only ever go through it:
+
+* **model**: the ``nn.Module`` class, rebuilt from its ``kwargs`` (which include the verifier layers it
+  reads, ``aux_layer_ids``); saved as ``draft_config.json`` + safetensors by ``models/checkpoint.py``.
+* **options**: a frozen dataclass of the family's own training options (``train: {algorithm: peagle,
+  peagle: {...}}`` in YAML, ``--peagle-<option>`` on the command line).
+* **build**: a fresh draft from :class:`BuildInputs` (verifier config, vocab maps, embeddings) + options.
+* **default_aux_layer_ids**: which verifier layers it needs when the user does not say.
+* **objective**: the training forward, an ``nn.Module`` satisfying :class:`Objective` (loss, metric sums,
+  the counts that normalize the loss exactly across micro-batches and ranks, their summary).
+* **proposer**: what ``evaluate`` drives during speculative decoding (:class:`Proposer`).
+* **formats**: the on-disk formats it writes and reads (:class:`DraftFormat`; the first one is the default).
+
+    from tiny_speculators.models import get_family
+    family = get_family("eagle3")
+    draft = family.build(inputs, family.options())
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from tiny_speculators.errors import UserError
+
+__all__ = ["BuildInputs", "DraftFamily", "DraftFormat", "DraftTree", "ExportInfo", "Objective", "Proposer",
+           "StepOutput", "TreeParams", "parse_options"]
+
+
+@dataclass(frozen=True)
+class BuildInputs:
+    """Everything about the verifier that a family needs to build a fresh draft for it."""
+
+    verifier_config: Any  # the verifier's (text) HF config
+    d2t: torch.Tensor  # (Vd,) int64 draft id -> target id offset
+    t2d: torch.Tensor  # (V,) bool
+    aux_layer_ids: list[int]
+    embed_weight: torch.Tensor | None = None  # (V, H) the verifier's token embeddings
+    lm_head_weight: torch.Tensor | None = None  # (V, H) the verifier's lm_head, when the draft starts from it
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor  # scalar, differentiable
+    metrics: dict[str, torch.Tensor]  # detached sums; they add up exactly across micro-batches and ranks
+
+
+@runtime_checkable
+class Objective(Protocol):
+    """The training forward of a family: an ``nn.Module`` whose only registered submodule is the draft
+    (DDP/FSDP wrap it), holding the frozen verifier head outside its parameter tree."""
+
+    draft: nn.Module
+
+    def forward(self, batch: dict[str, Any], loss_normalizer: torch.Tensor | None = None) -> StepOutput: ...
+
+    def loss_counts(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Local counts of loss positions per loss group; summed over the whole optimizer step (all ranks and
+        micro-batches) they are the ``loss_normalizer`` that makes the gradient exact."""
+        ...
+
+    def new_stats(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Zeroed metric sums with the shapes ``forward`` returns."""
+        ...
+
+    def summarize(self, stats: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Summed metrics -> what is logged. Always has ``loss`` and ``accept_len`` (expected acceptance length,
+        used to pick ``best/``); ``acc`` (per-position accuracy list) when the family has positions."""
+        ...
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """A draft during speculative decoding. The evaluator feeds verified features with :meth:`commit` and asks
+    for ``k`` tokens with :meth:`propose_chain`; ``draft_forwards`` counts draft forward passes."""
+
+    draft_forwards: int
+    supports_tree: bool
+
+    def reset(self) -> None: ...
+
+    def commit(self, tokens: list[int], aux: torch.Tensor, start: int) -> None:
+        """Verified features: ``aux [T, n_aux*Ht]`` of positions ``start..start+T-1`` with ``tokens`` (the token
+        at each position + 1). Drops any speculative draft state from ``start`` on."""
+        ...
+
+    def propose_chain(self, k: int, params: Any,
+                      generator: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+        """``k`` draft tokens (target ids) after the pending one; with sampling also their distributions."""
+        ...
+
+    # Families with ``supports_tree`` also have ``build_tree(root: int, params: TreeParams) -> DraftTree``.
+
+
+@dataclass(frozen=True)
+class TreeParams:
+    """EAGLE-2 dynamic tree: ``depth`` draft levels, ``topk`` children per expanded node and ``topk`` nodes
+    expanded per level, ``total_tokens`` draft nodes (root excluded) sent to the verifier."""
+
+    depth: int = 5
+    topk: int = 4
+    total_tokens: int = 24
+
+
+@dataclass
+class DraftTree:
+    """A proposed tree for one verification: node 0 is the root (the pending token); parents before children."""
+
+    tokens: list[int]
+    parents: list[int]  # -1 for the root
+    depths: list[int]
+
+
+@dataclass(frozen=True)
+class ExportInfo:
+    """What an export format needs beyond the draft itself."""
+
+    verifier_name: str
+    verifier_architectures: list[str]
+    speculative_tokens: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class DraftFormat:
+    """An on-disk format of a family (``config.json`` + ``model.safetensors``), both directions.
+
+    ``write(draft, info) -> (config, tensors)``; ``detect(config_json) -> bool``; ``read(directory, config_json,
+    tensors) -> (kwargs, state, record)`` where ``record`` has ``verifier`` and optionally ``speculative_tokens``;
+    ``serve(verifier_name, folder, k) -> str`` is the command that serves it; ``card`` the model card's
+    family-specific text (title, one paragraph, draft rows, library name).
+    """
+
+    name: str
+    write: Callable[[nn.Module, ExportInfo], tuple[dict[str, Any], dict[str, torch.Tensor]]]
+    detect: Callable[[Mapping[str, Any]], bool]
+    read: Callable[[Path, Mapping[str, Any], dict[str, torch.Tensor]],
+                   tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]]
+    serve: Callable[[str, str, int], str]
+    card: Callable[[Mapping[str, Any]], dict[str, Any]]
+    vllm_speculative_config: Callable[[str, int], dict[str, Any]] | None = None  # None: vLLM cannot serve it
+
+
+@dataclass(frozen=True)
+class DraftFamily:
+    name: str
+    summary: str  # one line, for help texts and model cards
+    model: type[nn.Module]  # model(**draft.kwargs) rebuilds the architecture
+    options: type  # frozen dataclass of the family's training options (all fields have defaults)
+    build: Callable[[BuildInputs, Any], nn.Module]
+    default_aux_layer_ids: Callable[[int], list[int]]
+    objective: Callable[..., nn.Module]  # (draft, target_head, options, attention) -> Objective
+    proposer: Callable[[nn.Module], Proposer]
+    formats: tuple[DraftFormat, ...]
+    speculative_tokens: Callable[[Any], int]  # the default k to serve with, from the training options
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def format(self, name: str | None = None) -> DraftFormat:
+        if name is None:
+            return self.formats[0]
+        for fmt in self.formats:
+            if fmt.name == name:
+                return fmt
+        raise UserError(f"a {self.name} draft cannot be written as {name!r} "
+                        f"(its formats: {', '.join(f.name for f in self.formats)})")
+
+
+def parse_options(options_type: type, values: Mapping[str, Any] | Any | None, where: str) -> Any:
+    """A family's options dataclass from a YAML/CLI mapping; unknown keys and bad values name the key."""
+    from tiny_speculators.config import coerce
+
+    if values is None:
+        return options_type()
+    if isinstance(values, options_type):
+        return values
+    if not isinstance(values, Mapping):
+        raise UserError(f"{where} must be a mapping of option names to values, not {values!r}")
+    fields = {f.name: f for f in dataclasses.fields(options_type)}
+    hints = _type_hints(options_type)
+    clean = {str(k).replace("-", "_"): v for k, v in values.items()}
+    unknown = sorted(set(clean) - set(fields))
+    if unknown:
+        raise UserError(f"{where}: unknown option(s) {', '.join(unknown)} (known: {', '.join(fields)})")
+    kwargs = {k: coerce(v, hints[k], f"{where}.{k}") for k, v in clean.items()}
+    try:
+        return options_type(**kwargs)
+    except ValueError as e:  # __post_init__ range checks
+        raise UserError(f"{where}: {e}") from None
+
+
+def _type_hints(options_type: type) -> dict[str, Any]:
+    import typing
+
+    return typing.get_type_hints(options_type)
+
+
+def options_record(options: Any) -> dict[str, Any]:
+    """A family's options as a JSON-ready dict (for checkpoints and model cards)."""
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(options).items()}
+
+
+def options_from_record(options_type: type, record: Mapping[str, Any] | None) -> Any:
+    """The options a draft was trained with, from its ``trained_with`` record (other keys ignored)."""
+    names = {f.name for f in dataclasses.fields(options_type)}
+    return parse_options(options_type, {k: v for k, v in (record or {}).items() if k in names}, "trained_with")

@@ -1,0 +1,42 @@
+"""The one table of pipeline stages: name -> (``module:function``, one-line description). The CLI builds a
+subcommand per entry, the pipeline runs them; each function's signature is its config."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from tiny_speculators.errors import UserError
+
+STAGES: dict[str, tuple[str, str]] = {
+    "prepare": ("tiny_speculators.data.prepare:prepare", "chat data -> token ids + assistant loss mask"),
+    "vocab": ("tiny_speculators.data.vocab:vocab", "draft vocabulary (d2t / t2d) from token counts"),
+    "regenerate": ("tiny_speculators.data.regenerate:regenerate",
+                   "rewrite assistant turns with the verifier's own answers"),
+    "extract": ("tiny_speculators.verifier.extract:extract", "verifier hidden states -> checksummed shards"),
+    "train": ("tiny_speculators.train.stage:train", "train a draft (EAGLE-3, P-EAGLE, ...) offline or online"),
+    "export": ("tiny_speculators.export.stage:export", "write a checkpoint in the format a server loads"),
+    "evaluate": ("tiny_speculators.evaluate.stage:evaluate", "real speculative decoding: acceptance, speed-up"),
+    "pipeline": ("tiny_speculators.pipeline:pipeline", "run every stage from one YAML file"),
+}
+
+__all__ = ["STAGES", "StageNotBuilt", "load_stage"]
+
+
+class StageNotBuilt(UserError):
+    """The stage's module does not exist yet."""
+
+
+def load_stage(name: str) -> Callable[..., Any]:
+    if name not in STAGES:
+        raise UserError(f"unknown stage {name!r} (known: {', '.join(STAGES)})")
+    target, _ = STAGES[name]
+    module_name, func_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            raise StageNotBuilt(f"the '{name}' stage is not built yet") from None
+        raise
+    return getattr(module, func_name)

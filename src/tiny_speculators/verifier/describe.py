@@ -1,0 +1,96 @@
+"""One description of a verifier: its (text) config, where its tensors are, its embeddings, and the record
+that drafts and manifests keep of it. Every stage asks here instead of reading configs itself.
+
+    from tiny_speculators.verifier.describe import verifier_config, verifier_record
+    cfg = verifier_config("smollm2-135m")          # the text config (multimodal wrappers unwrapped)
+    verifier_record("smollm2-135m", cfg)           # {"name_or_path", "architectures", "hidden_size", ...}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiny_speculators.errors import UserError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["safetensor_index", "text_config", "verifier_config", "verifier_embeddings", "verifier_record"]
+
+# Where the token embedding lives in the checkpoints we know (plain decoders and multimodal wrappers).
+EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight",
+               "language_model.model.embed_tokens.weight", "transformer.wte.weight")
+
+
+def text_config(config: Any) -> Any:
+    """The decoder's config: ``text_config`` of a multimodal wrapper, else the config itself."""
+    if hasattr(config, "get_text_config"):
+        return config.get_text_config()
+    if isinstance(config, dict):
+        return config.get("text_config") or config
+    return getattr(config, "text_config", None) or config
+
+
+def verifier_config(name: str, trust_remote_code: bool = False, required: bool = False) -> Any | None:
+    """The verifier's text config; None (with a warning) when it is neither local nor cached, unless ``required``."""
+    from transformers import AutoConfig
+
+    from tiny_speculators.verifier.load import resolve_verifier
+
+    source = resolve_verifier(name)
+    try:
+        config = AutoConfig.from_pretrained(source, local_files_only=not Path(source).is_dir(),
+                                            trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        if required:
+            raise UserError(f"cannot read the config of verifier {name!r}: {e}") from None
+        log.warning("cannot read the config of verifier %r (%s): its sizes are not checked", name, e)
+        return None
+    return text_config(config)
+
+
+def verifier_record(name: str, config: Any) -> dict[str, Any]:
+    """What a draft records about its verifier (``config`` may be a wrapper config; the text config is used)."""
+    from tiny_speculators.verifier.load import verifier_id
+
+    text = text_config(config)
+    return {"name_or_path": verifier_id(name), "architectures": list(getattr(config, "architectures", None) or []),
+            "hidden_size": int(text.hidden_size), "vocab_size": int(text.vocab_size),
+            "num_hidden_layers": int(text.num_hidden_layers)}
+
+
+def safetensor_index(folder: Path) -> dict[str, Path]:
+    """Tensor name -> file of a local checkpoint folder (sharded index or one model.safetensors); {} if none."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return {k: folder / v for k, v in weight_map.items()}
+    single = folder / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), "pt") as f:
+            return dict.fromkeys(f.keys(), single)
+    return {}
+
+
+def verifier_embeddings(name: str) -> torch.Tensor:
+    """The verifier's input embedding matrix ``[vocab, H]`` (fp32), read from its safetensors when local."""
+    from tiny_speculators.verifier.load import load_verifier, resolve_verifier
+
+    source = Path(resolve_verifier(name))
+    if source.is_dir():
+        from safetensors import safe_open
+
+        files = safetensor_index(source)
+        for key in EMBED_NAMES:
+            if key in files:
+                with safe_open(str(files[key]), framework="pt") as f:
+                    return f.get_tensor(key).float()
+    model, _ = load_verifier(name, with_tokenizer=False)  # hub id, .bin weights or an unusual layout
+    return model.get_input_embeddings().weight.detach().float().clone()
