@@ -15,9 +15,11 @@ from torch import nn
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.eagle3.family import FAMILY as EAGLE3
 from tiny_speculators.models.family import DraftFamily
+from tiny_speculators.models.peagle.family import FAMILY as PEAGLE
 
 FAMILIES: dict[str, DraftFamily] = {
     "eagle3": EAGLE3,
+    "peagle": PEAGLE,
 }
 
 Algorithm = Literal[tuple(FAMILIES)]  # the names, for typed stage options

@@ -1,0 +1,115 @@
+"""P-EAGLE (parallel drafting, arXiv 2602.01469) as a draft family: its options, builder and table entry.
+
+    train: {algorithm: peagle, peagle: {num_layers: 2, depths: 4}}       # YAML
+    tiny-speculators train ... --algorithm peagle --peagle-depths 4
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import nn
+
+from tiny_speculators.errors import UserError
+from tiny_speculators.models.eagle3.builder import draft_kwargs_from_verifier
+from tiny_speculators.models.eagle3.family import default_aux_layer_ids, resolve_layer_type
+from tiny_speculators.models.family import BuildInputs, DraftFamily
+from tiny_speculators.models.importing import check_vocab_maps
+from tiny_speculators.models.peagle import speculators
+from tiny_speculators.models.peagle.model import PEagleDraft
+from tiny_speculators.models.peagle.objective import PEagleObjective
+from tiny_speculators.models.peagle.proposer import PEagleProposer
+
+
+@dataclass(frozen=True)
+class PEagleOptions:
+    """P-EAGLE's own training options.
+
+    Args:
+        depths: positions trained per anchor (depth 0 = the bonus slot, 1.. = mask slots); also the default
+            number of speculative tokens the export writes.
+        num_layers: decoder layers of the draft (layer 0 is the EAGLE-3 layer).
+        ratio: COD sampling: depth d keeps a share ratio**d of the anchors (each chain a prefix of depths).
+        ratio_min: COD sampling floor: every depth keeps at least this share.
+        decay: weight of depth d's mean loss is decay**d.
+        mask_token_id: token id fed at the mask slots (its embedding is the verifier's); default: the
+            verifier's pad token, else its eos token, else 0.
+        layer_type: draft decoder layers: auto (qwen3 for Qwen3 verifiers, else llama), llama, or qwen3.
+        norm_before_residual: use hidden_norm(h) as layer 0's residual (vLLM's flag).
+    """
+
+    depths: int = 4
+    num_layers: int = 2
+    ratio: float = 0.7
+    ratio_min: float = 0.2
+    decay: float = 1.0
+    mask_token_id: int | None = None
+    layer_type: Literal["auto", "llama", "qwen3"] = "auto"
+    norm_before_residual: bool = False
+
+    def __post_init__(self) -> None:
+        if self.depths < 1:
+            raise ValueError(f"depths must be at least 1, got {self.depths}")
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be at least 1, got {self.num_layers}")
+        if not 0 < self.ratio <= 1 or not 0 <= self.ratio_min <= 1:
+            raise ValueError(f"ratio must be in (0, 1] and ratio_min in [0, 1], got {self.ratio}, {self.ratio_min}")
+        if not 0 < self.decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+
+
+def _mask_token(options: PEagleOptions, verifier_config) -> int:
+    if options.mask_token_id is not None:
+        return options.mask_token_id
+    for key in ("pad_token_id", "eos_token_id"):
+        value = getattr(verifier_config, key, None)
+        value = value[0] if isinstance(value, list) and value else value
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def build(inputs: BuildInputs, options: PEagleOptions) -> PEagleDraft:
+    cfg = inputs.verifier_config
+    base = draft_kwargs_from_verifier(cfg, int(inputs.d2t.shape[0]), num_aux=len(inputs.aux_layer_ids),
+                                      aux_layer_ids=list(inputs.aux_layer_ids),
+                                      layer_type=resolve_layer_type(options.layer_type, cfg),
+                                      norm_before_residual=options.norm_before_residual)
+    kwargs = {k: v for k, v in base.items() if k != "fc_norm"}
+    draft = PEagleDraft(**kwargs, num_layers=options.num_layers, mask_token_id=_mask_token(options, cfg),
+                        num_depths=options.depths)
+    target_ids = check_vocab_maps(inputs.d2t, inputs.t2d, draft.draft_vocab_size, draft.embed_tokens.num_embeddings)
+    import torch
+
+    with torch.no_grad():
+        draft.d2t.copy_(inputs.d2t.long())
+        draft.t2d.copy_(inputs.t2d.bool())
+        if inputs.embed_weight is not None:
+            if inputs.embed_weight.shape != draft.embed_tokens.weight.shape:
+                raise UserError(f"verifier embeddings have shape {tuple(inputs.embed_weight.shape)}, the draft needs "
+                                f"{tuple(draft.embed_tokens.weight.shape)}")
+            draft.embed_tokens.weight.copy_(inputs.embed_weight)
+        if inputs.lm_head_weight is not None:
+            draft.lm_head.weight.copy_(inputs.lm_head_weight[target_ids.to(inputs.lm_head_weight.device)])
+    return draft
+
+
+def objective(draft: nn.Module, target_head: nn.Module, options: PEagleOptions, attention: str) -> PEagleObjective:
+    if attention != "sdpa":
+        raise UserError("P-EAGLE trains with --attention sdpa (its depth masks are explicit)")
+    return PEagleObjective(draft, target_head, options.depths, options.ratio, options.ratio_min, options.decay)
+
+
+FAMILY = DraftFamily(
+    name="peagle",
+    summary="P-EAGLE: EAGLE-3 inputs, several layers, all draft tokens of a step from one forward (parallel drafting)",
+    model=PEagleDraft,
+    options=PEagleOptions,
+    build=build,
+    default_aux_layer_ids=default_aux_layer_ids,
+    objective=objective,
+    proposer=PEagleProposer,
+    formats=(speculators.FORMAT,),
+    speculative_tokens=lambda options: options.depths,
+)

@@ -1,0 +1,218 @@
+"""The P-EAGLE draft (parallel drafting): exactly what vLLM 0.32 runs for ``eagle3`` + ``parallel_drafting``.
+
+EAGLE-3's inputs, ``num_layers`` decoder layers, and one forward that proposes K tokens. Equations (vLLM's
+``llama_eagle3.py``; names as in the speculators format)::
+
+    g      = fc(concat(aux_1, ..., aux_n))                 # depth-0 slots: the verifier's fused states, (B, T, H)
+    m      = fc(mask_hidden)                               # mask slots (depth >= 1): one learned vector, (H,)
+    # layer 0 = the EAGLE-3 layer: reads concat(input_layernorm(embed(id)), hidden_norm(h)), 2H wide
+    x      = layer_0(embed(ids), h)                        # pre-norm residual stream, (B, T, H)
+    # layers 1..L-1: plain Llama layers on the H stream (the embedding is not re-injected)
+    x      = x + attn_i(input_layernorm_i(x));   x = x + mlp_i(post_attention_layernorm_i(x))
+    logits = lm_head(norm(x))                              # (B, T, draft_vocab)
+
+Slots (one request, last verified position P, bonus token b): depth-0 slots at positions p <= P hold
+(token p+1, verifier state at p) — at P that is (b, state at P) — and mask slots at P+1 .. P+K-1 hold
+(``mask_token_id``, m). Attention is causal over the draft's own cache. The output at P proposes the token
+after b; mask slot P+k proposes token k+1. Draft id ``i`` is target id ``i + d2t[i]``.
+
+Quick check (tiny CPU draft)::
+
+    python -c "import torch; from tiny_speculators.models.peagle.model import PEagleDraft; \
+d = PEagleDraft(vocab_size=100, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16, \
+intermediate_size=64, draft_vocab_size=50, num_layers=2, mask_token_id=0); ids = torch.randint(0, 100, (1, 5)); \
+print(d(ids, d.fuse(torch.randn(1, 5, 96)), torch.arange(5)[None]).logits.shape)"
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from tiny_speculators.errors import UserError
+from tiny_speculators.models.eagle3.model import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    Eagle3Output,
+    KVCache,
+    RMSNorm,
+    Rotary,
+)
+
+__all__ = ["LlamaLayer", "PEagleDraft"]
+
+
+class LlamaLayer(nn.Module):
+    """A plain pre-norm Llama (or Qwen3) decoder layer on the H-wide residual stream (layers 1..L-1)."""
+
+    def __init__(self, *, hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
+                 rms_norm_eps, attention_bias, layer_type) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.self_attn = Attention(hidden_size, num_attention_heads, num_key_value_heads, head_dim, attention_bias,
+                                   layer_type == "qwen3", rms_norm_eps, input_size=hidden_size)
+        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.mlp = MLP(hidden_size, intermediate_size)
+
+    def forward(self, x, cos, sin, attention_mask, cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cache)  # (B, T, H)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class PEagleDraft(nn.Module):
+    """P-EAGLE draft: EAGLE-3's fused inputs, ``num_layers`` decoder layers, a learned mask hidden state.
+
+    Args:
+        vocab_size, hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
+        draft_vocab_size, target_hidden_size, num_aux, rms_norm_eps, rope_parameters, max_position_embeddings,
+        attention_bias, layer_type, norm_before_residual, norm_before_fc, train_embeddings, hidden_act,
+        aux_layer_ids: as in :class:`~tiny_speculators.models.eagle3.model.Eagle3Draft`.
+        num_layers: decoder layers (layer 0 is the EAGLE-3 layer, the rest plain Llama/Qwen3 layers).
+        mask_token_id: the token id fed at the parallel (mask) slots; its embedding is the verifier's.
+        num_depths: positions trained per anchor (depth 0 = the bonus slot); the default speculative tokens.
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        hidden_size: int,
+        num_attention_heads: int,
+        num_key_value_heads: int,
+        head_dim: int,
+        intermediate_size: int,
+        draft_vocab_size: int,
+        num_layers: int = 2,
+        mask_token_id: int = 0,
+        num_depths: int = 4,
+        target_hidden_size: int | None = None,
+        num_aux: int = 3,
+        rms_norm_eps: float = 1e-6,
+        rope_parameters: dict[str, Any] | None = None,
+        max_position_embeddings: int = 4096,
+        attention_bias: bool = False,
+        layer_type: Literal["llama", "qwen3"] = "llama",
+        norm_before_residual: bool = False,
+        norm_before_fc: bool = False,
+        train_embeddings: bool = False,
+        hidden_act: str = "silu",
+        aux_layer_ids: list[int] | None = None,
+    ) -> None:
+        super().__init__()
+        if aux_layer_ids is not None and len(aux_layer_ids) != num_aux:
+            raise UserError(f"{len(aux_layer_ids)} aux layer ids {list(aux_layer_ids)} for a draft that fuses "
+                            f"{num_aux} verifier layers")
+        if layer_type not in ("llama", "qwen3"):
+            raise UserError(f"layer_type must be 'llama' or 'qwen3', got {layer_type!r}")
+        if hidden_act != "silu":
+            raise UserError(f"the P-EAGLE draft supports hidden_act 'silu' only, got {hidden_act!r}")
+        if num_layers < 1 or num_depths < 1:
+            raise UserError(f"num_layers and num_depths must be at least 1 (got {num_layers}, {num_depths})")
+        if not 0 <= mask_token_id < vocab_size:
+            raise UserError(f"mask_token_id {mask_token_id} is not a token id of the verifier (0..{vocab_size - 1})")
+        rope_parameters = dict(rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
+        target_hidden_size = target_hidden_size or hidden_size
+        self.kwargs = dict(  # exactly what save_draft writes and load_draft rebuilds from
+            vocab_size=vocab_size, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads, head_dim=head_dim, intermediate_size=intermediate_size,
+            draft_vocab_size=draft_vocab_size, num_layers=num_layers, mask_token_id=mask_token_id,
+            num_depths=num_depths, target_hidden_size=target_hidden_size, num_aux=num_aux,
+            rms_norm_eps=rms_norm_eps, rope_parameters=rope_parameters,
+            max_position_embeddings=max_position_embeddings, attention_bias=attention_bias, layer_type=layer_type,
+            norm_before_residual=norm_before_residual, norm_before_fc=norm_before_fc,
+            train_embeddings=train_embeddings, hidden_act=hidden_act,
+            aux_layer_ids=None if aux_layer_ids is None else [int(i) for i in aux_layer_ids],
+        )
+        self.hidden_size, self.draft_vocab_size, self.num_aux = hidden_size, draft_vocab_size, num_aux
+        self.target_hidden_size, self.mask_token_id = target_hidden_size, mask_token_id
+
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.embed_tokens.weight.requires_grad_(train_embeddings)
+        self.input_norm = RMSNorm(num_aux * target_hidden_size, rms_norm_eps) if norm_before_fc else None
+        self.fc = nn.Linear(num_aux * target_hidden_size, hidden_size, bias=False)
+        self.mask_hidden = nn.Parameter(torch.zeros(1, 1, num_aux * target_hidden_size))  # pre-fc, like aux states
+        shape = dict(hidden_size=hidden_size, intermediate_size=intermediate_size,
+                     num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                     head_dim=head_dim, rms_norm_eps=rms_norm_eps, attention_bias=attention_bias,
+                     layer_type=layer_type)
+        self.layers = nn.ModuleList([DecoderLayer(**shape, norm_before_residual=norm_before_residual),
+                                     *(LlamaLayer(**shape) for _ in range(num_layers - 1))])
+        self.norm = RMSNorm(hidden_size, rms_norm_eps)
+        self.lm_head = nn.Linear(hidden_size, draft_vocab_size, bias=False)
+        self.rotary = Rotary(head_dim, rope_parameters, max_position_embeddings)
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(vocab_size, dtype=torch.bool)
+        t2d[:draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Normal(0, std) for linear/embedding weights and the mask hidden state, zero biases, unit norms."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0.0, std)
+                if m.bias is not None:
+                    m.bias.zero_()
+            elif isinstance(m, nn.Embedding):
+                m.weight.normal_(0.0, std)
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+        self.mask_hidden.normal_(0.0, 1.0)  # the scale of verifier states, which fc was made for
+
+    def after_load(self, device: str | torch.device) -> None:
+        """After weights were assigned into a meta-device build: rebuild RoPE buffers, re-freeze embeddings."""
+        self.rotary = Rotary(self.kwargs["head_dim"], self.kwargs["rope_parameters"],
+                             self.kwargs["max_position_embeddings"]).to(device)
+        self.embed_tokens.weight.requires_grad_(bool(self.kwargs.get("train_embeddings", False)))
+
+    def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[..., num_aux*Ht]`` verifier states (or the mask hidden state) -> ``[..., H]``."""
+        x = aux_hidden_states.to(self.fc.weight.dtype)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        return self.fc(x)
+
+    def mask_state(self) -> torch.Tensor:
+        """The hidden state of every mask slot, ``fc(input_norm?(mask_hidden))``: ``[H]``."""
+        return self.fuse(self.mask_hidden.reshape(-1))
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Pre-norm output ``[..., H]`` -> draft-vocab logits ``[..., draft_vocab]``."""
+        return self.lm_head(self.norm(hidden_states))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask=None,
+        caches: list[KVCache] | None = None,
+        *,
+        logits: bool = True,
+    ) -> Eagle3Output:
+        """One forward over ``T`` new slots (depth-0 and/or mask slots).
+
+        Args:
+            input_ids: ``[B, T]`` target-vocab ids (``mask_token_id`` at mask slots).
+            hidden_states: ``[B, T, H]``: ``fuse(aux)`` at depth-0 slots, :meth:`mask_state` at mask slots.
+            position_ids: ``[B, T]`` RoPE positions.
+            attention_mask: bool ``[B, 1, T, S]`` (True = attend) over all ``S`` keys (cached + new), a
+                ``PackedTTTMask`` (depth 0 of packed documents), or None for causal attention.
+            caches: one :class:`KVCache` per layer; new keys/values are appended.
+            logits: compute ``lm_head(norm(.))``; False returns only the pre-norm output.
+        """
+        embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)  # (B, T, H)
+        cos, sin = self.rotary(position_ids, hidden_states.dtype)
+        caches = caches if caches is not None else [None] * len(self.layers)
+        x = self.layers[0](embeds, hidden_states, cos, sin, attention_mask, caches[0])  # (B, T, H)
+        for layer, cache in zip(self.layers[1:], caches[1:], strict=True):
+            x = layer(x, cos, sin, attention_mask, cache)
+        return Eagle3Output(logits=self.compute_logits(x) if logits else None, hidden_states=x)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab ids -> target-vocab ids (``i + d2t[i]``)."""
+        return draft_ids + self.d2t[draft_ids]

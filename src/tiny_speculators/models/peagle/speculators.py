@@ -1,0 +1,157 @@
+"""The speculators format of P-EAGLE drafts, as vLLM 0.32 loads it (``speculators_model_type: "peagle"``, which
+vLLM runs as ``eagle3`` with ``parallel_drafting``):
+
+* ``config.json``: the EAGLE-3 fields, ``transformer_layer_config`` with ``num_hidden_layers`` = the draft's
+  layers, and at top level ``mask_token_id`` (required by vLLM), ``norm_before_residual`` / ``norm_before_fc``
+  (vLLM's P-EAGLE reader takes them only there; ``fc_norm`` is not read for P-EAGLE, so it is not offered),
+  ``num_depths`` (the depths it was trained for).
+* ``model.safetensors``: ``layers.{i}.*`` (layer 0 the EAGLE-3 layer with 2H-wide q/k/v and ``hidden_norm``,
+  the rest plain layers), ``fc``, ``norm``, ``lm_head``, ``d2t``/``t2d``, ``mask_hidden`` [1, 1, n_aux*Ht], and
+  ``embed_tokens.weight`` only when the draft trained its own (else vLLM shares the verifier's).
+
+vLLM's draft loader does not report missing tensors (they stay uninitialized), so :func:`write` checks that
+every tensor of the model is written.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiny_speculators.errors import UserError
+from tiny_speculators.models.eagle3.builder import rope_parameters_of
+from tiny_speculators.models.eagle3.speculators import (
+    SPECULATORS_SCHEMA_VERSION,
+    layer_rows,
+    transformer_layer_config,
+    verifier_of,
+)
+from tiny_speculators.models.family import DraftFormat, ExportInfo
+from tiny_speculators.models.files import cast_state, dtype_name, read_json, require
+
+CONFIG = "config.json"
+
+
+def config(kwargs: Mapping[str, Any], info: ExportInfo) -> dict[str, Any]:
+    layer = transformer_layer_config({**kwargs, "num_aux": kwargs.get("num_aux", 3)})
+    layer["num_hidden_layers"] = int(kwargs["num_layers"])
+    aux = kwargs.get("aux_layer_ids")
+    cfg: dict[str, Any] = {
+        "architectures": ["PEagleSpeculator"],
+        "speculators_model_type": "peagle",
+        "speculators_version": SPECULATORS_SCHEMA_VERSION,
+        "draft_vocab_size": int(kwargs["draft_vocab_size"]),
+        "norm_before_residual": bool(kwargs.get("norm_before_residual", False)),
+        "norm_before_fc": bool(kwargs.get("norm_before_fc", False)),
+        "norm_output": False,
+        "mask_token_id": int(kwargs["mask_token_id"]),
+        "num_depths": int(kwargs["num_depths"]),
+        "embed_requires_grad": bool(kwargs.get("train_embeddings", False)),
+        "tie_word_embeddings": False,
+    }
+    target_hidden = kwargs.get("target_hidden_size") or kwargs["hidden_size"]
+    if target_hidden != kwargs["hidden_size"]:
+        cfg["target_hidden_size"] = int(target_hidden)
+    if aux:
+        cfg["eagle_aux_hidden_state_layer_ids"] = [int(i) for i in aux]
+    cfg["transformer_layer_config"] = layer
+    cfg["speculators_config"] = {
+        "algorithm": "peagle",
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(info.speculative_tokens),
+                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": info.verifier_name, "architectures": list(info.verifier_architectures)},
+    }
+    cfg["dtype"] = cfg["torch_dtype"] = dtype_name(info.dtype)
+    return cfg
+
+
+def write(draft, info: ExportInfo) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    if info.speculative_tokens < 1:
+        raise UserError(f"speculative_tokens must be at least 1, got {info.speculative_tokens}")
+    if not info.verifier_name:
+        raise UserError("the verifier's name_or_path is unknown: pass --verifier-name")
+    state = dict(draft.state_dict())
+    if not draft.kwargs.get("train_embeddings", False):
+        state.pop("embed_tokens.weight")
+    expected = set(draft.state_dict()) - ({"embed_tokens.weight"} - set(state))
+    if set(state) != expected:
+        raise UserError(f"P-EAGLE export is missing tensors {sorted(expected - set(state))}")
+    return config(draft.kwargs, info), cast_state(state, info.dtype)
+
+
+def detect(cfg: Mapping[str, Any]) -> bool:
+    return cfg.get("speculators_model_type") == "peagle" or (
+        cfg.get("speculators_model_type") == "eagle3" and bool(cfg.get("parallel_drafting")))
+
+
+def read(directory: Path, raw: Mapping[str, Any], tensors: dict[str, torch.Tensor]):
+    path = Path(directory) / CONFIG
+    cfg = read_json(path)
+    where = f"{path} (speculators P-EAGLE format)"
+    require(cfg, ["draft_vocab_size", "transformer_layer_config", "speculators_config"], where)
+    layer = cfg["transformer_layer_config"]
+    require(layer, ["vocab_size", "hidden_size", "intermediate_size", "num_attention_heads"],
+            f"{where} transformer_layer_config")
+    mask = cfg.get("mask_token_id", layer.get("mask_token_id", cfg.get("ptd_token_id", cfg.get("pard_token"))))
+    if mask is None:
+        raise UserError(f"{where} has no mask_token_id (vLLM needs it for parallel drafting)")
+    if layer.get("model_type", "llama") not in ("llama", "qwen3"):
+        raise UserError(f"{where}: transformer_layer_config.model_type {layer.get('model_type')!r} is not supported")
+    state = {k.removeprefix("model."): v for k, v in tensors.items()
+             if k not in ("verifier_lm_head.weight", "verifier_norm.weight")}
+    if "mask_hidden" not in state:
+        raise UserError(f"{directory} has no mask_hidden tensor: not a P-EAGLE draft vLLM could run")
+    hidden = int(layer["hidden_size"])
+    heads = int(layer["num_attention_heads"])
+    target_hidden = int(cfg.get("target_hidden_size") or hidden)
+    aux = cfg.get("eagle_aux_hidden_state_layer_ids")
+    num_aux = len(aux) if aux else state["fc.weight"].shape[1] // target_hidden
+    state["mask_hidden"] = state["mask_hidden"].reshape(1, 1, -1)
+    kwargs = dict(
+        vocab_size=int(layer["vocab_size"]), hidden_size=hidden, num_attention_heads=heads,
+        num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
+        head_dim=int(layer.get("head_dim") or hidden // heads), intermediate_size=int(layer["intermediate_size"]),
+        draft_vocab_size=int(cfg["draft_vocab_size"]), num_layers=int(layer.get("num_hidden_layers", 1)),
+        mask_token_id=int(mask), num_depths=int(cfg.get("num_depths") or cfg.get("para_depths") or 4),
+        target_hidden_size=target_hidden, num_aux=num_aux, rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+        rope_parameters=rope_parameters_of(layer),
+        max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
+        attention_bias=bool(layer.get("attention_bias", False)), layer_type=layer.get("model_type", "llama"),
+        norm_before_residual=bool(cfg.get("norm_before_residual", False)),  # vLLM's P-EAGLE default
+        norm_before_fc=bool(cfg.get("norm_before_fc", False)),
+        train_embeddings=bool(cfg.get("embed_requires_grad", False)) and "embed_tokens.weight" in tensors,
+        hidden_act=layer.get("hidden_act", "silu"), aux_layer_ids=[int(i) for i in aux] if aux else None,
+    )
+    state = {k: v for k, v in state.items() if not k.startswith("layers.") or ".hidden_norm." not in k
+             or k.startswith("layers.0.")}  # speculators may write unused hidden norms of layers >= 1
+    tokens = int(cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+    return kwargs, state, {"verifier": verifier_of(cfg), "speculative_tokens": tokens}
+
+
+def vllm_speculative_config(folder: str, k: int) -> dict[str, Any]:
+    return {"model": folder, "num_speculative_tokens": int(k), "method": "eagle3", "parallel_drafting": True}
+
+
+def serve(verifier_name: str, folder: str, k: int) -> str:
+    return (f"vllm serve {folder}\n# or, explicitly:\nvllm serve {verifier_name} --speculative-config "
+            f"'{json.dumps(vllm_speculative_config(folder, k))}'")
+
+
+def card(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    rows = [r for r in layer_rows({**kwargs, "fc_norm": False}) if not r[0].startswith("norm_before_residual")]
+    rows[0] = ("decoder layers", f"{kwargs['layer_type']} x {kwargs['num_layers']}")
+    rows += [("norm_before_residual / norm_before_fc",
+              f"{kwargs['norm_before_residual']} / {kwargs['norm_before_fc']}"),
+             ("mask token id / trained depths", f"{kwargs['mask_token_id']} / {kwargs['num_depths']}")]
+    return {"title": "P-EAGLE draft", "library": "vllm", "tags": ["peagle", "parallel-drafting", "speculators"],
+            "about": f"A {kwargs['num_layers']}-layer P-EAGLE (parallel drafting) draft model, proposing all draft "
+                     "tokens of a step in one forward,", "rows": rows}
+
+
+FORMAT = DraftFormat(name="speculators", write=write, detect=detect, read=read, serve=serve, card=card,
+                     vllm_speculative_config=vllm_speculative_config)

@@ -1,0 +1,69 @@
+"""P-EAGLE through the same loop: 2-process DDP == one process, kill + resume == uninterrupted (COD sampling
+on: its RNG is checkpointed), offline == online, --init-from its speculators export, wrong-family errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from test_train_invariants import ENV, _assert_same, _cli, _common, _sigterm_when, _weights
+
+from tiny_speculators.errors import UserError
+from tiny_speculators.train.stage import train
+
+SMALL = {"depths": 3, "num_layers": 2}
+
+
+def test_peagle_ddp_two_processes_equal_one(tiny_inputs, tmp_path):
+    # ratio 1: every anchor at every depth, so both runs see the same elements (sampling is per process)
+    single = train(**_common(tiny_inputs, tmp_path / "one", max_steps=2, batch_size=2, algorithm="peagle",
+                             peagle={**SMALL, "ratio": 1.0, "ratio_min": 1.0}))
+    subprocess.run(_cli(tiny_inputs, tmp_path / "ddp", "--max-steps", "2", "--batch-size", "1", "--algorithm", "peagle",
+                        "--peagle-depths", "3", "--peagle-num-layers", "2", "--peagle-ratio", "1",
+                        "--peagle-ratio-min", "1", torchrun=2), check=True, env=ENV, capture_output=True, timeout=300)
+    # two layers and lr 1e-2 (AdamW) amplify fp32 summation-order noise: measured max difference 3e-6
+    _assert_same(_weights(tmp_path / "one"), _weights(tmp_path / "ddp"), atol=1e-5)
+    ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    assert ddp["algorithm"] == "peagle" and ddp["world_size"] == 2
+    assert ddp["final_train"]["loss"] == pytest.approx(single["final_train"]["loss"], rel=1e-5)
+
+
+def test_peagle_resume_equals_uninterrupted(tiny_inputs, tmp_path):
+    args = _common(tiny_inputs, tmp_path / "run", max_steps=4, batch_size=2, save_every=2, algorithm="peagle",
+                   peagle=SMALL)
+    watcher = _sigterm_when(tmp_path / "run" / "step_000002")
+    with pytest.raises(KeyboardInterrupt):
+        train(**args)
+    watcher.join()
+    assert not (tmp_path / "run" / "final").exists()
+    train(**{**args, "resume": True})
+    train(**_common(tiny_inputs, tmp_path / "straight", max_steps=4, batch_size=2, save_every=2, algorithm="peagle",
+                    peagle=SMALL))
+    _assert_same(_weights(tmp_path / "run"), _weights(tmp_path / "straight"))
+
+
+def test_peagle_offline_and_online_agree(tiny_inputs, tmp_path):
+    off = train(**_common(tiny_inputs, tmp_path / "off", max_steps=1, batch_size=2, algorithm="peagle", peagle=SMALL))
+    on = train(**_common(tiny_inputs, tmp_path / "on", max_steps=1, batch_size=2, hidden_states=None,
+                         data=tiny_inputs.prepared, online=True, algorithm="peagle", peagle=SMALL))
+    assert on["final_train"]["positions"] == off["final_train"]["positions"] > 0
+    assert on["final_train"]["loss"] == pytest.approx(off["final_train"]["loss"], rel=1e-4)
+
+
+def test_peagle_init_from_its_export_and_family_mismatch(tiny_inputs, tmp_path):
+    from tiny_speculators.export.stage import export
+
+    train(**_common(tiny_inputs, tmp_path / "a", max_steps=3, batch_size=2, algorithm="peagle", peagle=SMALL))
+    summary = export(tmp_path / "a", out=tmp_path / "exported")
+    assert summary["algorithm"] == "peagle" and summary["speculative_tokens"] == 3
+    assert summary["vllm_speculative_config"]["parallel_drafting"] is True
+    cfg = json.loads((tmp_path / "exported" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "peagle" and cfg["transformer_layer_config"]["num_hidden_layers"] == 2
+    train(**_common(tiny_inputs, tmp_path / "b", max_steps=1, batch_size=2, lr=0.0, algorithm="peagle",
+                    peagle=SMALL, init_from=tmp_path / "exported"))
+    _assert_same(_weights(tmp_path / "b"), _weights(tmp_path / "a"), atol=0)
+    with pytest.raises(UserError, match="is a peagle draft, this run trains eagle3"):
+        train(**_common(tiny_inputs, tmp_path / "c", max_steps=1, batch_size=2, init_from=tmp_path / "exported"))
+    with pytest.raises(UserError, match="options for peagle given, but the algorithm is 'eagle3'"):
+        train(**_common(tiny_inputs, tmp_path / "d", max_steps=1, peagle=SMALL))
