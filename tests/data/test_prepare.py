@@ -35,7 +35,7 @@ def bad_corpus(path: Path) -> dict[str, int]:
         b'{"role": "assistant", "content": "ok"}]}',
         json.dumps({"dialog": [{"from": "human", "value": "x"}]}).encode(),               # 4 missing field
         json.dumps({"conversations": [{"from": "human"}, {"from": "gpt", "value": "y"}]}).encode(),  # 5 missing
-        json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"},
+        json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "narrator", "content": "y"},
                                  {"role": "assistant", "content": "z"}]}).encode(),      # 6 unknown role
         json.dumps({"messages": [{"role": "user", "content": "  \n"},
                                  {"role": "assistant", "content": "z"}]}).encode(),      # 7 empty content
