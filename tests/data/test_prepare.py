@@ -184,9 +184,9 @@ def test_tokenizer_without_chat_template(tmp_path, smollm2_dir, smollm2_tokenize
 
 
 def test_qwen3_split_counts(tmp_path, qwen3_tokenizer, qwen3_tokenizer_dir, monkeypatch):
-    import tiny_speculators.verifier.load as load
+    import tiny_speculators.data.tokenizer as tokenizer_module
 
-    monkeypatch.setattr(load, "load_tokenizer", lambda name, trust_remote_code=False: qwen3_tokenizer)
+    monkeypatch.setattr(tokenizer_module, "load_prepare_tokenizer", lambda name, **_: qwen3_tokenizer)
     chat = {"messages": [{"role": "user", "content": "Hi"},
                          {"role": "assistant", "content": "<think>\ngreet\n</think>\n\nHello!"},
                          {"role": "user", "content": "2+2?"},
