@@ -158,8 +158,9 @@ class ChatRenderer:
         if not head.startswith(tail):
             raise RecordError(
                 "template inconsistency",
-                f"the rendered generation prompt before message {k} is not a prefix of the rendered turn "
-                "(does the data contradict a template option such as enable_thinking?)",
+                f"the template's generation prompt before message {k} ends with {tail[:40]!r}, which the message "
+                "does not continue (data without reasoning for a thinking template, or data that contradicts an "
+                "option such as enable_thinking?)",
             )
         return head[len(tail):] + body
 
