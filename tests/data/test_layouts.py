@@ -176,3 +176,20 @@ def test_bad_layouts_name_their_reason(record, reason):
     with pytest.raises(RecordError) as e:
         normalize_record(record)
     assert e.value.reason == reason
+
+
+def test_tool_chats_survive_parquet_struct_columns(tmp_path, qwen3_prepare, qwen3_tokenizer_dir):
+    """Arrow unifies the turns of all rows into one struct type and fills absent fields with None
+    (tool_calls: None on user turns, function_call: None, name: None ...): the same samples must come out."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    source = LAYOUTS / "openai_tools.jsonl"
+    table = pa.Table.from_pylist(lines(source))
+    assert "function_call" in str(table.schema) and "tool_call_id" in str(table.schema)
+    pq.write_table(table, tmp_path / "tools.parquet")
+    a = prepare(str(qwen3_tokenizer_dir), [source], tmp_path / "a")
+    b = prepare(str(qwen3_tokenizer_dir), [tmp_path / "tools.parquet"], tmp_path / "b")
+    assert a["kept"] == b["kept"] == 2 and b["dropped"] == {}
+    rows_a, rows_b = load_prepared(tmp_path / "a").dataset, load_prepared(tmp_path / "b").dataset
+    assert rows_a["input_ids"] == rows_b["input_ids"] and rows_a["loss_mask"] == rows_b["loss_mask"]

@@ -157,6 +157,7 @@ def test_one_sentence_errors(tmp_path, fast_tokenizer, smollm2_dir):
     (tmp_path / "bad.jsonl").write_text('{"messages": []}\n')
     with pytest.raises(UserError, match=r"no usable records.*no assistant turn: 1"):
         prepare(str(smollm2_dir), [tmp_path / "bad.jsonl"], tmp_path / "o")
+    assert not list(tmp_path.glob(".o*"))  # no work folder left behind
     (tmp_path / "broken.json").write_text('[{"messages": ')
     with pytest.raises(UserError, match="not valid JSON"):
         prepare(str(smollm2_dir), [tmp_path / "broken.json"], tmp_path / "o")

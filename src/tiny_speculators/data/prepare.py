@@ -160,8 +160,10 @@ def prepare(
     tmp.mkdir()
     try:
         totals = _assemble(store, data, tmp, vocab_size)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, UserError):  # no records, none usable: nothing worth resuming
+            store.remove()
         raise
     summary = {
         "verifier": str(verifier),
