@@ -40,9 +40,14 @@ def test_prepare_and_vocab_on_a_tokenizer_only_folder(tmp_path, tokenizer_only, 
 
     assert load_prepared(tmp_path / "prepared").dataset["input_ids"] == \
         load_prepared(tmp_path / "prepared-full").dataset["input_ids"]
+    caplog.clear()
     info = vocab(tmp_path / "prepared", tmp_path / "vocab", size=8)
     d2t, t2d = load_vocab(tmp_path / "vocab")
     assert info["target_vocab_size"] == summary["vocab_size"] == t2d.numel() and d2t.numel() == 8
+    assert "--target-vocab-size" in caplog.text
+    caplog.clear()
+    info = vocab(tmp_path / "prepared", tmp_path / "vocab-sized", size=8, target_vocab_size=49152)
+    assert info["target_vocab_size"] == 49152 and "--target-vocab-size" not in caplog.text
 
 
 def test_folders_that_are_neither(tmp_path):
