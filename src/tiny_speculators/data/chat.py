@@ -193,7 +193,7 @@ class ChatRenderer:
             groups.append((full, fitting))
         if rest and self.rewritten_turns == "drop":
             raise RecordError("rewritten turns", f"the template renders assistant message {rest[0].index} "
-                                                 "differently once later messages follow")
+                                                 "differently in the whole conversation than while it is written")
         while rest:  # newest first: the conversation up to that turn, rendered as the verifier sees it
             anchor = rest[-1]
             group = [t for t in rest if anchor.text.startswith(t.rendered)]
