@@ -129,3 +129,44 @@ def llama3_tokenizer(smollm2_dir):
 def alternating_template() -> Path:
     """A ChatML template that raises on two turns of the same role in a row (like Llama-2/Mistral templates)."""
     return FIXTURES / "alternating_chatml.jinja"
+
+
+def _smollm2_variant(smollm2_dir: Path, template: str, special: list[str], bos: str | None = None,
+                     eos: str | None = None, plain: tuple[str, ...] = ()):
+    """SmolLM2's vocabulary plus another family's control tokens and its published chat template (a fixture)."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    roles = {k: v for k, v in (("bos_token", bos), ("eos_token", eos)) if v}
+    if roles:
+        tokenizer.add_special_tokens(roles)
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in special], special_tokens=True)
+    if plain:
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
+    tokenizer.chat_template = (FIXTURES / template).read_text()
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def llama31_tokenizer(smollm2_dir):
+    """Llama-3.1's header/turn/tool tokens with its tool-calling chat template."""
+    return _smollm2_variant(smollm2_dir, "llama31_chat_template.jinja", bos="<|begin_of_text|>",
+                            special=["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                                     "<|python_tag|>"])
+
+
+@pytest.fixture(scope="session")
+def mistral_tokenizer(smollm2_dir):
+    """Mistral v0.3's control tokens ([INST], [TOOL_CALLS] ...) with its chat template."""
+    return _smollm2_variant(smollm2_dir, "mistral_v03_chat_template.jinja", bos="<s>", eos="</s>",
+                            special=["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                                     "[TOOL_RESULTS]", "[/TOOL_RESULTS]"])
+
+
+@pytest.fixture(scope="session")
+def r1_tokenizer(smollm2_dir):
+    """DeepSeek-R1's tokens (sentence markers special; User/Assistant/think plain, as in R1) and its template."""
+    return _smollm2_variant(smollm2_dir, "deepseek_r1_chat_template.jinja", bos="<｜begin▁of▁sentence｜>",
+                            eos="<｜end▁of▁sentence｜>", special=[],
+                            plain=("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"))

@@ -35,7 +35,7 @@ def bad_corpus(path: Path) -> dict[str, int]:
         b'{"role": "assistant", "content": "ok"}]}',
         json.dumps({"dialog": [{"from": "human", "value": "x"}]}).encode(),               # 4 missing field
         json.dumps({"conversations": [{"from": "human"}, {"from": "gpt", "value": "y"}]}).encode(),  # 5 missing
-        json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"},
+        json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "narrator", "content": "y"},
                                  {"role": "assistant", "content": "z"}]}).encode(),      # 6 unknown role
         json.dumps({"messages": [{"role": "user", "content": "  \n"},
                                  {"role": "assistant", "content": "z"}]}).encode(),      # 7 empty content
@@ -157,6 +157,7 @@ def test_one_sentence_errors(tmp_path, fast_tokenizer, smollm2_dir):
     (tmp_path / "bad.jsonl").write_text('{"messages": []}\n')
     with pytest.raises(UserError, match=r"no usable records.*no assistant turn: 1"):
         prepare(str(smollm2_dir), [tmp_path / "bad.jsonl"], tmp_path / "o")
+    assert not list(tmp_path.glob(".o*"))  # no work folder left behind
     (tmp_path / "broken.json").write_text('[{"messages": ')
     with pytest.raises(UserError, match="not valid JSON"):
         prepare(str(smollm2_dir), [tmp_path / "broken.json"], tmp_path / "o")
@@ -184,9 +185,9 @@ def test_tokenizer_without_chat_template(tmp_path, smollm2_dir, smollm2_tokenize
 
 
 def test_qwen3_split_counts(tmp_path, qwen3_tokenizer, qwen3_tokenizer_dir, monkeypatch):
-    import tiny_speculators.verifier.load as load
+    import tiny_speculators.data.tokenizer as tokenizer_module
 
-    monkeypatch.setattr(load, "load_tokenizer", lambda name, trust_remote_code=False: qwen3_tokenizer)
+    monkeypatch.setattr(tokenizer_module, "load_prepare_tokenizer", lambda name, **_: qwen3_tokenizer)
     chat = {"messages": [{"role": "user", "content": "Hi"},
                          {"role": "assistant", "content": "<think>\ngreet\n</think>\n\nHello!"},
                          {"role": "user", "content": "2+2?"},

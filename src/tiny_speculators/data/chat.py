@@ -27,6 +27,19 @@ full conversation are, with ``rewritten_turns="split"`` (default), put into extr
 exactly as the verifier sees them when it writes that turn (the conversation up to that turn); with
 ``"drop"`` the record is reported as bad. A turn is never masked in a text that does not contain it.
 
+Templates that rewrite the very turn they render (DeepSeek-R1 keeps only what follows ``</think>``
+and opens ``<think>\n`` in its generation prompt) have no ``F_k`` that extends ``P_k``. The turn is
+then rebuilt as the server sees it at generation time: ``P_k`` followed by what the model wrote
+after it -- the message text the template dropped (minus the part of the generation prompt that
+already opened it) plus the template's rendering of the rest, up to its end-of-turn token. The
+record is reported as ``template inconsistency`` when the message does not continue the prompt
+(Qwen3 with ``enable_thinking=False`` and data that holds reasoning). A ``reasoning_content`` field
+that the template never reads is folded into the content as ``<think>\n...\n</think>\n\n``, the
+way reasoning models write it, rather than silently lost.
+
+Tool definitions (``tools``) are passed to every render; tool results are template text like user
+turns (never masked), assistant ``tool_calls`` are part of the assistant's span.
+
     from tiny_speculators.data.chat import ChatRenderer
     renderer = ChatRenderer(tokenizer, enable_thinking=False)
     samples = renderer.samples([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}])
@@ -70,6 +83,7 @@ class _Turn:
     start: int  # character where the assistant's own text begins (= len(P_k))
     end: int  # character after its end-of-turn token
     rendered: str  # F_k[:end]: the text that must precede the span for it to be valid
+    text: str  # the sample for this turn alone: the conversation up to it, as the verifier sees it
 
 
 class ChatRenderer:
@@ -97,11 +111,12 @@ class ChatRenderer:
             if specials else None
 
     # -- rendering -------------------------------------------------------------------------------
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+               tools: list[dict[str, Any]] | None = None) -> str:
         """The template's text for ``messages``; a template exception becomes a ``RecordError``."""
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, chat_template=self.chat_template, tokenize=False,
+                messages, chat_template=self.chat_template, tools=tools, tokenize=False,
                 add_generation_prompt=add_generation_prompt, **self.template_kwargs,
             )
         except Exception as e:  # jinja's raise_exception, TypeError on odd content, UndefinedError ...
@@ -111,16 +126,8 @@ class ChatRenderer:
             raise RecordError("template error", f"the template returned {type(text).__name__}, not text")
         return text
 
-    def _turn(self, messages: list[dict[str, Any]], k: int) -> _Turn:
-        prompt = self.render(messages[:k], add_generation_prompt=True)
-        full = self.render(messages[: k + 1], add_generation_prompt=False)
-        if not full.startswith(prompt):
-            raise RecordError(
-                "template inconsistency",
-                f"the rendered generation prompt before message {k} is not a prefix of the rendered turn "
-                "(does the data contradict a template option such as enable_thinking?)",
-            )
-        piece = full[len(prompt):]
+    def _end(self, piece: str, k: int) -> int:
+        """Where the model stops in ``piece``: after its last special token, else before trailing space."""
         end = None
         if self._special_re is not None:
             for m in self._special_re.finditer(piece):
@@ -129,19 +136,56 @@ class ChatRenderer:
             end = len(piece.rstrip())
         if end == 0:
             raise RecordError("empty assistant turn", f"the template renders assistant message {k} as nothing")
-        return _Turn(k, len(prompt), len(prompt) + end, full[: len(prompt) + end])
+        return end
+
+    def _turn(self, messages: list[dict[str, Any]], k: int, tools: list[dict[str, Any]] | None) -> _Turn:
+        prompt = self.render(messages[:k], add_generation_prompt=True, tools=tools)
+        full = self.render(messages[: k + 1], add_generation_prompt=False, tools=tools)
+        if full.startswith(prompt):
+            end = len(prompt) + self._end(full[len(prompt):], k)
+            return _Turn(k, len(prompt), end, full[:end], full)
+        generated = self._generated(prompt, full, messages[k], k)
+        text = prompt + generated[: self._end(generated, k)]
+        return _Turn(k, len(prompt), len(text), text, text)
+
+    @staticmethod
+    def _generated(prompt: str, full: str, message: dict[str, Any], k: int) -> str:
+        """What the model wrote after ``prompt`` when the template rewrote turn ``k`` (R1 drops its reasoning)."""
+        c = next((i for i, (x, y) in enumerate(zip(prompt, full, strict=False)) if x != y), min(len(prompt), len(full)))
+        tail, body = prompt[c:], full[c:]  # generation-prompt text the turn lacks; the turn as rendered
+        raw = message.get("content") if isinstance(message.get("content"), str) else ""
+        head = raw[: len(raw) - _overlap(raw, body)]  # the start of the message that the template dropped
+        if not head.startswith(tail):
+            raise RecordError(
+                "template inconsistency",
+                f"the template's generation prompt before message {k} ends with {tail[:40]!r}, which the message "
+                "does not continue (data without reasoning for a thinking template, or data that contradicts an "
+                "option such as enable_thinking?)",
+            )
+        return head[len(tail):] + body
+
+    def _fold_reasoning(self, message: dict[str, Any]) -> dict[str, Any]:
+        """``reasoning_content`` the template never reads, written into the content as the model writes it."""
+        reasoning = message.get("reasoning_content")
+        if not reasoning or "reasoning_content" in self.chat_template:
+            return message
+        content = message.get("content") or ""
+        folded = {k: v for k, v in message.items() if k != "reasoning_content"}
+        folded["content"] = f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n{content}"
+        return folded
 
     # -- samples ---------------------------------------------------------------------------------
-    def samples(self, messages: list[dict[str, Any]]) -> list[Sample]:
-        """Render ``messages`` (normalised, roles system/user/assistant) into one or more samples."""
+    def samples(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[Sample]:
+        """Render ``messages`` (normalised: see :mod:`~tiny_speculators.data.layouts`) into one or more samples."""
         assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if not assistant:
             raise RecordError("no assistant turn", "the conversation has no assistant message")
-        messages = messages[: assistant[-1] + 1]  # trailing user turns carry no training signal
+        messages = [self._fold_reasoning(m) if m["role"] == "assistant" else m
+                    for m in messages[: assistant[-1] + 1]]  # trailing user/tool turns carry no training signal
         if self.last_turn_only:
             assistant = assistant[-1:]
-        turns = [self._turn(messages, k) for k in assistant]
-        full = self.render(messages, add_generation_prompt=False)
+        turns = [self._turn(messages, k, tools) for k in assistant]
+        full = self.render(messages, add_generation_prompt=False, tools=tools)
         groups: list[tuple[str, list[_Turn]]] = []
         fitting = [t for t in turns if full.startswith(t.rendered)]
         rest = [t for t in turns if not full.startswith(t.rendered)]
@@ -149,14 +193,11 @@ class ChatRenderer:
             groups.append((full, fitting))
         if rest and self.rewritten_turns == "drop":
             raise RecordError("rewritten turns", f"the template renders assistant message {rest[0].index} "
-                                                 "differently once later messages follow")
+                                                 "differently in the whole conversation than while it is written")
         while rest:  # newest first: the conversation up to that turn, rendered as the verifier sees it
             anchor = rest[-1]
-            text = self.render(messages[: anchor.index + 1], add_generation_prompt=False)
-            group = [t for t in rest if text.startswith(t.rendered)]
-            if anchor not in group:  # cannot happen when rendering is deterministic
-                raise RecordError("template inconsistency", f"rendering message {anchor.index} is not repeatable")
-            groups.append((text, group))
+            group = [t for t in rest if anchor.text.startswith(t.rendered)]
+            groups.append((anchor.text, group))
             rest = [t for t in rest if t not in group]
         return [self._tokenize(text, group) for text, group in groups]
 
@@ -191,3 +232,24 @@ def masked_text(tokenizer: Any, sample: Sample) -> list[str]:
             runs[-1].append(token)
         previous = m
     return [tokenizer.decode(run) for run in runs]
+
+
+def _overlap(a: str, b: str) -> int:
+    """Length of the longest suffix of ``a`` that is a prefix of ``b`` (KMP, linear time)."""
+    if not a or not b:
+        return 0
+    fail = [0] * len(b)  # fail[i]: longest proper border of b[: i + 1]
+    j = 0
+    for i in range(1, len(b)):
+        while j and b[i] != b[j]:
+            j = fail[j - 1]
+        if b[i] == b[j]:
+            j += 1
+        fail[i] = j
+    j = 0
+    for ch in a:
+        while j and (j == len(b) or b[j] != ch):
+            j = fail[j - 1]
+        if j < len(b) and b[j] == ch:
+            j += 1
+    return j

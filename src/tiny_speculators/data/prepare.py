@@ -1,17 +1,23 @@
 """The ``prepare`` stage: chat data -> token ids + assistant loss mask, with the verifier's own template.
 
-Reads ShareGPT or OpenAI-style chats (JSON, JSONL, Parquet, ``datasets`` folders), renders each
-with the verifier tokenizer's chat template and writes, into ``--out``:
+Reads chats in any common layout (ShareGPT ``from``/``value``, OpenAI/SpecForge/speculators
+``role``/``content``, under ``conversations``/``messages``, decided per record; tool calls, tool
+results and ``tools`` definitions; reasoning) from JSON, JSONL, Parquet, CSV/TSV or ``datasets``
+folders (see :mod:`tiny_speculators.data.layouts`), renders each with the verifier tokenizer's chat
+template and writes, into ``--out``:
 
-* ``dataset/``: a ``datasets`` folder with ``input_ids``, ``loss_mask`` (1 on assistant tokens,
-  end-of-turn token included) and ``source`` (file and line/record of the chat);
+* ``dataset/``: a ``datasets`` folder with ``input_ids``, ``loss_mask`` (1 on what the assistant
+  writes: its text, its tool calls and its end-of-turn token) and ``source`` (file and line/record);
 * ``token_counts.safetensors``: ``counts`` (int64, ``[len(tokenizer)]``), how often each token is
   a loss-masked target (the input of the ``vocab`` stage);
 * ``summary.json``: records read / kept / dropped by reason, tokens, masked tokens, options;
 * ``bad_records.jsonl``: one line per unusable record (where, reason, detail).
 
 Bad records are reported (``file:line: reason``) and skipped; ``--strict`` makes the first one an
-error. Only the tokenizer is loaded, never the weights. The output folder appears atomically.
+error. Only the tokenizer is loaded, never the weights (a tokenizer-only folder is enough). The
+output folder appears atomically; work is committed every ``--chunk-records`` records, so a killed
+run, started again with the same command, resumes after the last committed chunk and writes the
+same bytes as an uninterrupted run (:mod:`tiny_speculators.data.resume`).
 
     tiny-speculators prepare --verifier smollm2-135m --data examples/chats.jsonl --out runs/prepared
     tiny-speculators prepare --verifier Qwen/Qwen3-8B --data chats.parquet --out runs/q3 --no-enable-thinking
@@ -19,6 +25,7 @@ error. Only the tokenizer is loaded, never the weights. The output folder appear
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -33,6 +40,7 @@ import numpy as np
 
 from tiny_speculators.data.chat import ChatRenderer, RecordError
 from tiny_speculators.data.readers import count_records, read_records
+from tiny_speculators.data.resume import ChunkStore, input_fingerprint
 from tiny_speculators.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -42,32 +50,11 @@ __all__ = ["prepare"]
 _MAX_WARNINGS = 50  # individual bad-record warnings; the rest go to bad_records.jsonl and the summary
 
 
-def _model_vocab_size(verifier: str, trust_remote_code: bool) -> int | None:
-    """``config.vocab_size`` of the verifier (the embedding rows, often > len(tokenizer)), if readable."""
-    try:
-        from transformers import AutoConfig
-
-        from tiny_speculators.verifier.load import resolve_verifier
-
-        config = AutoConfig.from_pretrained(resolve_verifier(verifier), trust_remote_code=trust_remote_code)
-    except Exception as e:  # a tokenizer-only folder, or no network for a hub id
-        log.debug("no model config for %s (%s)", verifier, e)
-        return None
-    config = getattr(config, "get_text_config", lambda: config)()
-    size = getattr(config, "vocab_size", None)
-    return int(size) if isinstance(size, int) else None
-
-
-def _claim_output(out: Path) -> Path:
-    """Check that ``out`` may be (re)written and return the temporary folder to write into."""
+def _claim_output(out: Path) -> None:
+    """Check that ``out`` may be (re)written."""
     if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / "summary.json").is_file())):
         raise UserError(f"output {out} exists and is not an earlier prepare output; choose another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    return tmp
 
 
 def _publish(tmp: Path, out: Path) -> None:
@@ -80,10 +67,17 @@ def _publish(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _tokenizer_fingerprint(tokenizer: Any) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def prepare(
     verifier: str,
     data: list[Path],
     out: Path,
+    field: str | None = None,
     max_length: int | None = None,
     overflow: Literal["truncate", "drop"] = "truncate",
     last_turn_only: bool = False,
@@ -91,14 +85,18 @@ def prepare(
     rewritten_turns: Literal["split", "drop"] = "split",
     chat_template: Path | None = None,
     strict: bool = False,
+    chunk_records: int = 1000,
     trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """Tokenize chats with the verifier's chat template and mask the assistant tokens.
 
     Args:
-        verifier: HF id, local folder, or an embedded name (smollm2-135m); only its tokenizer is loaded.
-        data: chat files: .jsonl, .json, .parquet, or `datasets` save_to_disk folders.
-        out: output folder (dataset/, token_counts.safetensors, summary.json).
+        verifier: HF id, local folder (a tokenizer-only folder is enough), or an embedded name (smollm2-135m);
+            only its tokenizer is loaded.
+        data: chat files: .jsonl, .json, .parquet, .csv/.tsv (turns as a JSON column), or `datasets` folders;
+            turns under conversations/messages/conversation, as role/content or from/value, per record.
+        out: output folder (dataset/, token_counts.safetensors, summary.json, bad_records.jsonl).
+        field: the key that holds the turns, for data that uses another name than conversations/messages.
         max_length: longest sequence in tokens; longer ones are truncated or dropped (see overflow).
         overflow: what to do with sequences longer than max_length: truncate them or drop them.
         last_turn_only: mask only the final assistant turn of each conversation.
@@ -107,11 +105,11 @@ def prepare(
             split such turns into their own samples, or drop the record.
         chat_template: a .jinja file used instead of the tokenizer's own chat template.
         strict: fail on the first bad record instead of skipping it.
+        chunk_records: records per committed chunk; a killed run resumes after the last committed chunk.
         trust_remote_code: allow the tokenizer's custom code from the hub.
     """
-    from tqdm.auto import tqdm
-
-    from tiny_speculators.verifier.load import load_tokenizer, verifier_id
+    from tiny_speculators.data.tokenizer import load_prepare_tokenizer, model_vocab_size
+    from tiny_speculators.verifier.load import verifier_id
 
     started = time.perf_counter()
     data = [Path(p) for p in data]
@@ -122,152 +120,241 @@ def prepare(
             raise UserError(f"data file {path} does not exist")
     if max_length is not None and max_length < 2:
         raise UserError(f"max_length must be at least 2, not {max_length}")
+    if chunk_records < 1:
+        raise UserError(f"chunk_records must be at least 1, not {chunk_records}")
+    if field is not None and not field.strip():
+        raise UserError("--field must name a key, not an empty string")
     template_text = None
     if chat_template is not None:
         if not Path(chat_template).is_file():
             raise UserError(f"chat template file {chat_template} does not exist")
         template_text = Path(chat_template).read_text(encoding="utf-8")
 
-    tokenizer = load_tokenizer(verifier, trust_remote_code=trust_remote_code)
+    tokenizer = load_prepare_tokenizer(verifier, trust_remote_code=trust_remote_code)
     renderer = ChatRenderer(tokenizer, enable_thinking=enable_thinking, chat_template=template_text,
                             last_turn_only=last_turn_only, rewritten_turns=rewritten_turns)
     vocab_size = len(tokenizer)
+    model_vocab = model_vocab_size(verifier, trust_remote_code)
+    if model_vocab is None:
+        log.warning("no model config for %s: `vocab` will size t2d to the tokenizer's %d ids; if the model's "
+                    "embedding has more rows, pass --target-vocab-size to vocab", verifier, vocab_size)
     out = Path(out)
-    tmp = _claim_output(out)
+    _claim_output(out)
+    options = {"field": field, "max_length": max_length, "overflow": overflow, "last_turn_only": last_turn_only,
+               "enable_thinking": enable_thinking, "rewritten_turns": rewritten_turns,
+               "chat_template": str(chat_template) if chat_template else None}
+    template_sha = hashlib.sha256(renderer.chat_template.encode()).hexdigest()
+    store = ChunkStore(out.parent / f".{out.name}.partial", {
+        "inputs": input_fingerprint(data), "options": options, "strict": strict, "chunk_records": chunk_records,
+        "chat_template_sha256": template_sha, "tokenizer_sha256": _tokenizer_fingerprint(tokenizer),
+    })
     loop_started = time.perf_counter()
     try:
-        summary = _run(renderer, data, tmp, vocab_size, max_length, overflow, strict, tqdm)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        resumed = _run(renderer, data, store, vocab_size, field, max_length, overflow, strict, chunk_records)
+    except UserError:
+        store.remove()  # bad input (--strict) or options: nothing worth resuming
         raise
     loop_seconds = time.perf_counter() - loop_started
-    elapsed = time.perf_counter() - started
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        totals = _assemble(store, data, tmp, vocab_size)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, UserError):  # no records, none usable: nothing worth resuming
+            store.remove()
+        raise
     summary = {
         "verifier": str(verifier),
         "verifier_id": verifier_id(verifier),
         "vocab_size": vocab_size,
-        "model_vocab_size": _model_vocab_size(verifier, trust_remote_code),
-        **summary,
+        "model_vocab_size": model_vocab,
+        **totals,
         "data": [str(p) for p in data],
-        "options": {"max_length": max_length, "overflow": overflow, "last_turn_only": last_turn_only,
-                    "enable_thinking": enable_thinking, "rewritten_turns": rewritten_turns,
-                    "chat_template": str(chat_template) if chat_template else None},
-        "chat_template_sha256": hashlib.sha256(renderer.chat_template.encode()).hexdigest(),
-        "seconds": round(elapsed, 3),
-        "records_per_second": round(summary["records_read"] / loop_seconds, 1) if loop_seconds > 0 else None,
+        "options": options,
+        "chat_template_sha256": template_sha,
+        "resumed_records": resumed,
+        "seconds": round(time.perf_counter() - started, 3),
+        "records_per_second": round((totals["records_read"] - resumed) / loop_seconds, 1) if loop_seconds > 0
+        else None,
     }
     (tmp / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _publish(tmp, out)
+    store.remove()
     _print_summary(summary, out)
     return summary
 
 
-def _run(renderer: ChatRenderer, data: list[Path], tmp: Path, vocab_size: int, max_length: int | None,
-         overflow: str, strict: bool, tqdm: Any) -> dict[str, Any]:
+@functools.cache
+def _features() -> Any:
     import datasets
-    import torch
-    from datasets.arrow_writer import ArrowWriter
-    from safetensors.torch import save_file
 
-    features = datasets.Features({
+    return datasets.Features({
         "input_ids": datasets.List(datasets.Value("int64")),
         "loss_mask": datasets.List(datasets.Value("int8")),
         "source": datasets.Value("string"),
     })
-    rows_path = tmp / "rows.arrow"
-    counts = np.zeros(vocab_size, dtype=np.int64)
+
+
+class _Chunk:
+    """Rows and counters of the records read since the last commit."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "source": []}
+        self.bad: list[dict[str, str]] = []
+        self.dropped: Counter[str] = Counter()
+        self.samples_dropped: Counter[str] = Counter()
+        self.n = {"records_read": 0, "kept": 0, "samples": 0, "tokens": 0, "masked_tokens": 0, "truncated": 0,
+                  "split_records": 0, "boundary_tokens": 0}
+
+    def stats(self, end: list[int]) -> dict[str, Any]:
+        return {**self.n, "dropped": dict(self.dropped), "samples_dropped": dict(self.samples_dropped),
+                "bad": self.bad, "end": end}
+
+
+def _run(renderer: ChatRenderer, data: list[Path], store: ChunkStore, vocab_size: int, field: str | None,
+         max_length: int | None, overflow: str, strict: bool, chunk_records: int) -> int:
+    """Render every record not yet committed; returns how many records earlier runs had committed."""
+    from tqdm.auto import tqdm
+
+    index, start = store.open()
+    resumed = sum(stats["records_read"] for _, stats in store.chunks())
+    warned = sum(len(stats["bad"]) for _, stats in store.chunks())
+    position = list(start)
+    chunk = _Chunk()
+    total = count_records(data)
+    progress = tqdm(read_records(data, field=field, start=start), total=total, initial=resumed, unit="rec",
+                    desc="prepare", disable=None, mininterval=1.0)
+
+    def bad(where: str, error: RecordError, policy: bool = False) -> None:
+        nonlocal warned
+        if strict and not policy:  # drops chosen by max_length/overflow are not bad input
+            raise UserError(f"{where}: {error} (--strict stops at the first bad record)")
+        chunk.dropped[error.reason] += 1
+        chunk.bad.append({"where": where, "reason": error.reason, "detail": error.detail})
+        if warned < _MAX_WARNINGS:
+            log.warning("%s: %s", where, error)
+        elif warned == _MAX_WARNINGS:
+            log.warning("more bad records: see bad_records.jsonl in the output folder")
+        warned += 1
+
+    for record in progress:
+        if record.file != position[0]:
+            position = [record.file, 0]
+        position[1] += 1
+        chunk.n["records_read"] += 1
+        _render(renderer, record, chunk, bad, vocab_size, max_length, overflow)
+        if chunk.n["records_read"] == chunk_records:
+            store.commit(index, chunk.rows, _features(), chunk.stats(position))
+            index, chunk = index + 1, _Chunk()
+    progress.close()
+    if chunk.n["records_read"]:
+        store.commit(index, chunk.rows, _features(), chunk.stats(position))
+    return resumed
+
+
+def _render(renderer: ChatRenderer, record: Any, chunk: _Chunk, bad: Any, vocab_size: int,
+            max_length: int | None, overflow: str) -> None:
+    """Add the samples of one record to ``chunk`` (or report it as bad)."""
+    if record.error is not None:
+        bad(record.where, record.error)
+        return
+    try:
+        produced = renderer.samples(record.messages, tools=record.tools)
+    except RecordError as e:
+        bad(record.where, e)
+        return
+    usable, local_drops = [], Counter()
+    truncated = 0
+    for sample in produced:
+        ids, mask = sample.input_ids, sample.loss_mask
+        if max_length is not None and len(ids) > max_length:
+            if overflow == "drop":
+                local_drops["too long"] += 1
+                continue
+            ids, mask = ids[:max_length], mask[:max_length]
+            if not any(mask):
+                local_drops["no assistant tokens within max_length"] += 1
+                continue
+            truncated += 1
+        usable.append((ids, mask, sample.boundary_tokens))
+    if not usable:
+        reason = next(iter(local_drops))
+        bad(record.where, RecordError(reason, f"longer than max_length={max_length} tokens"), policy=True)
+        return
+    chunk.samples_dropped.update(local_drops)
+    chunk.n["kept"] += 1
+    chunk.n["truncated"] += truncated
+    chunk.n["split_records"] += len(usable) > 1
+    for ids, mask, n_boundary in usable:
+        top = max(ids) if ids else 0
+        if top >= vocab_size:
+            raise UserError(f"{record.where}: token id {top} is outside the tokenizer's {vocab_size} tokens")
+        chunk.rows["input_ids"].append(ids)
+        chunk.rows["loss_mask"].append(mask)
+        chunk.rows["source"].append(record.where)
+        chunk.n["samples"] += 1
+        chunk.n["tokens"] += len(ids)
+        chunk.n["masked_tokens"] += sum(mask)
+        chunk.n["boundary_tokens"] += n_boundary
+
+
+def _assemble(store: ChunkStore, data: list[Path], tmp: Path, vocab_size: int) -> dict[str, Any]:
+    """The committed chunks -> ``dataset/``, ``token_counts.safetensors``, ``bad_records.jsonl``; the totals."""
+    import datasets
+    import pyarrow.compute as pc
+    import torch
+    from datasets.table import MemoryMappedTable, concat_tables
+    from safetensors.torch import save_file
+
+    chunks = store.chunks()
+    totals: Counter[str] = Counter()
     dropped: Counter[str] = Counter()
     samples_dropped: Counter[str] = Counter()
-    read = kept = samples = tokens = masked = truncated = split_records = boundary = 0
-    warned = 0
-
-    with ArrowWriter(features=features, path=str(rows_path)) as writer, \
-            open(tmp / "bad_records.jsonl", "w", encoding="utf-8") as bad_file:
-
-        def bad(where: str, error: RecordError, policy: bool = False) -> None:
-            nonlocal warned
-            if strict and not policy:  # drops chosen by max_length/overflow are not bad input
-                raise UserError(f"{where}: {error} (--strict stops at the first bad record)")
-            dropped[error.reason] += 1
-            bad_file.write(json.dumps({"where": where, "reason": error.reason, "detail": error.detail}) + "\n")
-            if warned < _MAX_WARNINGS:
-                log.warning("%s: %s", where, error)
-            elif warned == _MAX_WARNINGS:
-                log.warning("more bad records: see bad_records.jsonl in the output folder")
-            warned += 1
-
-        progress = tqdm(read_records(data), total=count_records(data), unit="rec", desc="prepare",
-                        disable=None, mininterval=1.0)
-        for record in progress:
-            read += 1
-            if record.error is not None:
-                bad(record.where, record.error)
-                continue
-            try:
-                produced = renderer.samples(record.messages)
-            except RecordError as e:
-                bad(record.where, e)
-                continue
-            usable, local_drops = [], Counter()
-            for sample in produced:
-                ids, mask = sample.input_ids, sample.loss_mask
-                if max_length is not None and len(ids) > max_length:
-                    if overflow == "drop":
-                        local_drops["too long"] += 1
-                        continue
-                    ids, mask = ids[:max_length], mask[:max_length]
-                    if not any(mask):
-                        local_drops["no assistant tokens within max_length"] += 1
-                        continue
-                    truncated += 1
-                usable.append((ids, mask, sample.boundary_tokens))
-            if not usable:
-                reason = next(iter(local_drops))
-                bad(record.where, RecordError(reason, f"longer than max_length={max_length} tokens"), policy=True)
-                continue
-            samples_dropped.update(local_drops)
-            kept += 1
-            split_records += len(usable) > 1
-            for ids, mask, n_boundary in usable:
-                ids_arr = np.asarray(ids, dtype=np.int64)
-                mask_arr = np.asarray(mask, dtype=bool)
-                if ids_arr.size and int(ids_arr.max()) >= vocab_size:
-                    raise UserError(f"{record.where}: token id {int(ids_arr.max())} is outside the tokenizer's "
-                                    f"{vocab_size} tokens")
-                counts += np.bincount(ids_arr[mask_arr], minlength=vocab_size)
-                writer.write({"input_ids": ids, "loss_mask": mask, "source": record.where})
-                samples += 1
-                tokens += len(ids)
-                masked += int(mask_arr.sum())
-                boundary += n_boundary
-        progress.close()
-        if kept:
-            writer.finalize()
-
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    digest = hashlib.sha256()
+    tables = []
+    with open(tmp / "bad_records.jsonl", "w", encoding="utf-8") as bad_file:
+        for rows_file, stats in chunks:
+            totals.update({k: v for k, v in stats.items() if isinstance(v, int)})
+            dropped.update(stats["dropped"])
+            samples_dropped.update(stats["samples_dropped"])
+            for line in stats["bad"]:
+                bad_file.write(json.dumps(line) + "\n")
+            table = MemoryMappedTable.from_file(str(rows_file))
+            if table.num_rows:
+                ids = pc.list_flatten(table.table.column("input_ids")).to_numpy()
+                mask = pc.list_flatten(table.table.column("loss_mask")).to_numpy().astype(bool)
+                counts += np.bincount(ids[mask], minlength=vocab_size)
+                tables.append(table)
+            digest.update(rows_file.read_bytes())
+    read, kept = totals["records_read"], totals["kept"]
     if read == 0:
         raise UserError(f"{', '.join(map(str, data))} holds no records")
     if kept == 0:
         reasons = ", ".join(f"{r}: {n}" for r, n in dropped.most_common())
         raise UserError(f"no usable records in {', '.join(map(str, data))} ({read} read; {reasons})")
-
-    rows = datasets.Dataset.from_file(str(rows_path))
-    rows.save_to_disk(str(tmp / "dataset"))
-    del rows
-    rows_path.unlink()
+    # the fingerprint is the content's hash, so that a resumed run writes the same bytes as an uninterrupted one
+    dataset = datasets.Dataset(concat_tables(tables), info=datasets.DatasetInfo(features=_features()),
+                               fingerprint=digest.hexdigest()[:16])
+    dataset.save_to_disk(str(tmp / "dataset"))
+    del dataset, tables
     save_file({"counts": torch.from_numpy(counts)}, str(tmp / "token_counts.safetensors"))
+    tokens, masked = totals["tokens"], totals["masked_tokens"]
     return {
         "records_read": read,
         "kept": kept,
         "dropped": dict(sorted(dropped.items())),
-        "samples": samples,
+        "samples": totals["samples"],
         "samples_dropped": {k: v for k, v in sorted(samples_dropped.items()) if v > 0},
-        "split_records": split_records,
-        "truncated": truncated,
+        "split_records": totals["split_records"],
+        "truncated": totals["truncated"],
         "tokens": tokens,
         "masked_tokens": masked,
         "masked_fraction": round(masked / tokens, 4) if tokens else 0.0,
         "distinct_masked_tokens": int((counts > 0).sum()),
-        "boundary_tokens": boundary,
+        "boundary_tokens": totals["boundary_tokens"],
     }
 
 

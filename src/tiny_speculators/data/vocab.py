@@ -87,6 +87,9 @@ def vocab(data: Path, out: Path, size: int = 32000, target_vocab_size: int | Non
     summary_in = prepared.summary
     target = target_vocab_size or summary_in.get("model_vocab_size") or summary_in.get("vocab_size") or len(counts)
     target = max(int(target), len(counts)) if target_vocab_size is None else int(target)
+    if target_vocab_size is None and summary_in.get("model_vocab_size") is None:
+        log.warning("%s records no model vocab size (prepared from a tokenizer-only folder?): t2d covers the "
+                    "tokenizer's %d ids; pass --target-vocab-size if the model's embedding has more rows", data, target)
     d2t, t2d, info = build_vocab(counts, size, target)
     if info["capped"]:
         log.warning("draft vocab size %d capped at the target vocabulary (%d)", size, info["size"])
