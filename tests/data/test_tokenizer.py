@@ -70,4 +70,4 @@ def test_stages_that_need_the_model_say_so_in_one_line(tmp_path, tokenizer_only,
     code = cli.main([stage, "--verifier", str(tokenizer_only), "--data", str(data), "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip()
     assert code != 0 and len(err.splitlines()) == 1, err
-    assert f"verifier folder {tokenizer_only} has no config.json" in err, err
+    assert f"verifier folder {tokenizer_only} has no config.json" in err and "needs the model" in err, err

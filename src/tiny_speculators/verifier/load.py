@@ -32,6 +32,9 @@ def resolve_verifier(name: str | Path) -> str:
     path = Path(name).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
+            if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
+                raise UserError(f"verifier folder {path} has no config.json: it holds only a tokenizer, enough for "
+                                "prepare and vocab; this stage needs the model")
             raise UserError(f"verifier folder {path} has no config.json")
         return str(path)
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
