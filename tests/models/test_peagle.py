@@ -212,3 +212,46 @@ def test_kv_cache_forward_equals_full_forward():
         first = draft(slots[None, :5], hidden[None, :5], pos[None, :5], caches=caches).logits
         rest = draft(slots[None, 5:], hidden[None, 5:], pos[None, 5:], caches=caches).logits
     torch.testing.assert_close(torch.cat([first, rest], 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_import_a_speculators_written_peagle_checkpoint(tmp_path, tiny_llama_dir):
+    """The layout speculators writes (``speculators_model_type: peagle``, a trained ``embed_tokens``, an unused
+    ``hidden_norm`` in later layers, ``mask_hidden [1, 1, 3H]``) imports; the draft computes with those weights."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from tiny_speculators.models.importing import import_draft
+
+    vc = json.loads((tiny_llama_dir / "config.json").read_text())
+    h, v, heads, kv, hd, inter = (vc[k] for k in ("hidden_size", "vocab_size", "num_attention_heads",
+                                                  "num_key_value_heads", "head_dim", "intermediate_size"))
+    g = torch.Generator().manual_seed(0)
+    w = {"fc.weight": torch.randn(h, 3 * h, generator=g) * 0.03, "norm.weight": torch.ones(h),
+         "lm_head.weight": torch.randn(v, h, generator=g) * 0.05, "mask_hidden": torch.randn(1, 1, 3 * h, generator=g),
+         "embed_tokens.weight": torch.randn(v, h, generator=g) * 0.05}
+    for i in range(2):
+        p, width = f"layers.{i}.", 2 * h if i == 0 else h
+        for name, shape in (("self_attn.q_proj", (heads * hd, width)), ("self_attn.k_proj", (kv * hd, width)),
+                            ("self_attn.v_proj", (kv * hd, width)), ("self_attn.o_proj", (h, heads * hd)),
+                            ("mlp.gate_proj", (inter, h)), ("mlp.up_proj", (inter, h)), ("mlp.down_proj", (h, inter))):
+            w[f"{p}{name}.weight"] = torch.randn(*shape, generator=g) * 0.05
+        for name in ("input_layernorm", "post_attention_layernorm", "hidden_norm"):
+            w[f"{p}{name}.weight"] = torch.ones(h)
+    save_file(w, str(tmp_path / "model.safetensors"))
+    layer = {k: vc[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings")}
+    cfg = {"architectures": ["PEagleSpeculator"], "speculators_model_type": "peagle", "draft_vocab_size": v,
+           "transformer_layer_config": {**layer, "model_type": "llama", "num_hidden_layers": 2},
+           "eagle_aux_hidden_state_layer_ids": [2, 4, 5], "mask_token_id": 7, "num_depths": 5,
+           "embed_requires_grad": True,
+           "speculators_config": {"algorithm": "peagle", "proposal_methods": [{"speculative_tokens": 5}],
+                                  "verifier": {"name_or_path": str(tiny_llama_dir)}}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    draft, config = import_draft(tmp_path)
+    assert config["model_type"] == "peagle" and config["speculative_tokens"] == 5
+    assert config["aux_layer_ids"] == [2, 4, 5]
+    assert draft.kwargs["num_layers"] == 2 and draft.mask_token_id == 7 and draft.kwargs["train_embeddings"]
+    assert torch.equal(draft.embed_tokens.weight, w["embed_tokens.weight"]) and draft.embed_tokens.weight.requires_grad
+    assert torch.equal(draft.mask_hidden, w["mask_hidden"]) and torch.equal(draft.layers[1].mlp.up_proj.weight,
+                                                                            w["layers.1.mlp.up_proj.weight"])

@@ -36,7 +36,40 @@ class DecodeResult:
     proposed: list[int] = field(default_factory=list)  # draft tokens sent to the verifier per forward
     verifier_forwards: int = 0  # including the prefill
     draft_forwards: int = 0  # draft forward passes (prompt commit included)
+    draft_seconds: float = 0.0  # wall time inside the proposer (commit + proposals)
     seconds: float = 0.0
+
+
+class _TimedProposer:
+    """The proposer with the time spent in it measured (device-synchronized around each call)."""
+
+    def __init__(self, proposer: Proposer, device: torch.device) -> None:
+        self.inner, self.device, self.seconds = proposer, device, 0.0
+        self.supports_tree = proposer.supports_tree
+
+    @property
+    def draft_forwards(self) -> int:
+        return self.inner.draft_forwards
+
+    def _timed(self, fn, *args):
+        _sync(self.device)
+        t0 = time.perf_counter()
+        out = fn(*args)
+        _sync(self.device)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def commit(self, tokens, aux, start) -> None:
+        self._timed(self.inner.commit, tokens, aux, start)
+
+    def propose_chain(self, k, params, generator):
+        return self._timed(self.inner.propose_chain, k, params, generator)
+
+    def build_tree(self, root, params):
+        return self._timed(self.inner.build_tree, root, params)
 
 
 def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -93,6 +126,7 @@ def speculative_generate(target: TargetRunner, proposer: Proposer, prompt: list[
     _sync(target.device)
     t0 = time.perf_counter()
     target.reset()
+    proposer = _TimedProposer(proposer, target.device)
     proposer.reset()
     forwards0 = proposer.draft_forwards
     n_prompt = len(prompt)
@@ -118,6 +152,7 @@ def speculative_generate(target: TargetRunner, proposer: Proposer, prompt: list[
     _sync(target.device)
     result.seconds = time.perf_counter() - t0
     result.draft_forwards = proposer.draft_forwards - forwards0
+    result.draft_seconds = proposer.seconds
     result.tokens = _truncate(result.tokens, max_new_tokens, eos_ids)
     return result
 

@@ -60,6 +60,7 @@ def print_table(summary: dict[str, Any]) -> None:
         ("draft acceptance rate", summary["draft_acceptance_rate"]),
         ("drafts (verifier forwards)", summary["num_drafts"]),
         ("draft forwards per step", summary.get("draft_forwards_per_step")),
+        ("draft ms per step", summary.get("draft_ms_per_step")),
         ("draft tokens proposed / accepted", f"{summary['num_draft_tokens']} / {summary['num_accepted_tokens']}"),
         ("tokens generated", summary["tokens_generated"]),
         ("tokens/s with draft", summary["tokens_per_second"]),

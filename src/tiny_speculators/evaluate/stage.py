@@ -195,6 +195,8 @@ def evaluate(
         # draft forward passes per verification step (the prompt's commit counted once per prompt)
         "draft_forwards_per_step": (sum(r.draft_forwards for r in spec_results)
                                     / max(1, sum(len(r.accepted) for r in spec_results))),
+        "draft_ms_per_step": (1000 * sum(r.draft_seconds for r in spec_results)
+                              / max(1, sum(len(r.accepted) for r in spec_results))),
         "wall_seconds": time.perf_counter() - t_start,
     }
     if baseline:
