@@ -176,3 +176,29 @@ def test_readme_first_command_entry_points(tmp_path, tiny_llama_dir, monkeypatch
             short_path.write_text(yaml.safe_dump(short), encoding="utf-8")
             args[i] = str(short_path)
         assert main(args) == 0, words
+
+
+VARIANTS = sorted(p.name for p in (ROOT / "configs").glob("smollm2-135m-*.yaml"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", VARIANTS)
+def test_embedded_family_variants_run_end_to_end(name, tmp_path, tiny_llama_dir, monkeypatch):
+    """Each family's embedded config (configs/smollm2-135m-<family>.yaml), cut short on a tiny verifier, runs every
+    stage: its draft trains, exports, is evaluated losslessly, and the serve line is its family's."""
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load((ROOT / "configs" / name).read_text(encoding="utf-8"))
+    short = shorten(config, tiny_llama_dir, tmp_path / "run")
+    short["regenerate"]["data"] = [str(PROMPTS)]
+    algorithm = config["train"]["algorithm"]
+    if algorithm in short["train"]:  # keep the family's options but a short training
+        short["train"][algorithm] = {**short["train"][algorithm]}
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(short), encoding="utf-8")
+    result = pipeline(path)
+    assert result["algorithm"] == algorithm and result["matches_baseline"] is True
+    exported = json.loads((tmp_path / "run" / "export" / "summary.json").read_text())
+    assert exported["algorithm"] == algorithm
+    if exported["vllm_speculative_config"]:
+        assert result["serve"].startswith("vllm serve") and json.dumps(exported["vllm_speculative_config"]["method"]) \
+            in result["serve"]
