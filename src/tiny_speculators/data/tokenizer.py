@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.verifier.describe import text_config
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,6 @@ def model_vocab_size(verifier: str | Path, trust_remote_code: bool = False) -> i
     except Exception as e:  # no network for a hub id, an unknown architecture
         log.debug("no model config for %s (%s)", verifier, e)
         return None
-    config = getattr(config, "get_text_config", lambda: config)()
+    config = text_config(config)
     size = getattr(config, "vocab_size", None)
     return int(size) if isinstance(size, int) else None

@@ -96,6 +96,7 @@ def evaluate(
     from tiny_speculators.models import get_family
     from tiny_speculators.models.family import options_from_record
     from tiny_speculators.models.importing import import_draft
+    from tiny_speculators.verifier.describe import text_config
     from tiny_speculators.verifier.load import load_verifier, parse_dtype, verifier_id
 
     if k is not None and k < 1:
@@ -117,7 +118,7 @@ def evaluate(
         trained = config.get("trained_with")
         k = int(config.get("speculative_tokens")
                 or (family.speculative_tokens(options_from_record(family.options, trained)) if trained else 0) or 3)
-    n_layers = model.config.get_text_config().num_hidden_layers
+    n_layers = text_config(model.config).num_hidden_layers
     vocab = model.get_input_embeddings().weight.shape[0]
     if draft_model.kwargs["vocab_size"] != vocab:
         raise UserError(f"draft {draft} was built for a vocabulary of {draft_model.kwargs['vocab_size']} "

@@ -29,6 +29,7 @@ from tiny_speculators.storage.manifest import done_shards, init_plan, merge_mani
 from tiny_speculators.storage.reader import verify_extraction
 from tiny_speculators.storage.shards import ShardWriter
 from tiny_speculators.verifier.capture import capture_hidden_states, check_layer_ids, default_aux_layer_ids
+from tiny_speculators.verifier.describe import text_config
 from tiny_speculators.verifier.load import load_tokenizer, load_verifier, verifier_id
 from tiny_speculators.verifier.modules import VerifierParts, find_parts
 
@@ -246,7 +247,7 @@ def extract(
     if not lengths:
         raise UserError(f"prepared dataset {data} has no records")
     plan = plan_shards(lengths, max(1, int(shard_mb * 2**20 / per_token)))
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     settings = {
         "verifier": str(verifier), "verifier_id": verifier_id(verifier),
         "verifier_revision": getattr(model.config, "_commit_hash", None),

@@ -16,6 +16,7 @@ import torch
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.eagle3.model import Eagle3Draft
 from tiny_speculators.models.importing import check_vocab_maps
+from tiny_speculators.verifier.describe import text_config
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def draft_kwargs_from_verifier(verifier_config: Any, draft_vocab_size: int, **ov
     rms_norm_eps, rope_parameters, max_position_embeddings, attention_bias, layer_type,
     norm_before_residual, norm_before_fc, fc_norm, train_embeddings, hidden_act, aux_layer_ids``.
     """
-    cfg = _get(verifier_config, "text_config") or verifier_config  # multimodal wrappers
+    cfg = text_config(verifier_config)  # multimodal wrappers
     unknown = set(overrides) - _OVERRIDABLE
     if unknown:
         raise UserError(f"unknown draft setting(s) {sorted(unknown)}; allowed: {sorted(_OVERRIDABLE)}")

@@ -207,6 +207,43 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(residual)) + residual  # pre-norm output
 
 
+def check_draft_shape(*, num_aux: int, aux_layer_ids, layer_type: str, hidden_act: str, num_attention_heads: int,
+                      num_key_value_heads: int) -> None:
+    """The checks every EAGLE-style draft makes on its keyword arguments (one-line UserErrors)."""
+    if aux_layer_ids is not None and len(aux_layer_ids) != num_aux:
+        raise UserError(f"{len(aux_layer_ids)} aux layer ids {list(aux_layer_ids)} for a draft that fuses "
+                        f"{num_aux} verifier layers")
+    if layer_type not in ("llama", "qwen3"):
+        raise UserError(f"layer_type must be 'llama' or 'qwen3', got {layer_type!r}")
+    if hidden_act != "silu":
+        raise UserError(f"the draft supports hidden_act 'silu' only, got {hidden_act!r}")
+    if num_attention_heads % num_key_value_heads:
+        raise UserError(f"num_attention_heads {num_attention_heads} is not a multiple of "
+                        f"num_key_value_heads {num_key_value_heads}")
+
+
+@torch.no_grad()
+def init_weights(module: nn.Module, std: float = 0.02) -> None:
+    """Normal(0, std) for linear and embedding weights, zeros for biases, ones for norms."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            m.weight.normal_(0.0, std)
+            if m.bias is not None:
+                m.bias.zero_()
+        elif isinstance(m, nn.Embedding):
+            m.weight.normal_(0.0, std)
+        elif isinstance(m, RMSNorm):
+            m.weight.fill_(1.0)
+
+
+def to_target_logits(draft: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """Draft-vocab logits [..., Vd] -> target-vocab logits [..., V] (-inf for ids outside the draft vocab)."""
+    target_ids = draft.d2t.new_tensor(range(draft.draft_vocab_size)) + draft.d2t
+    full = logits.new_full((*logits.shape[:-1], draft.t2d.numel()), float("-inf"))
+    full[..., target_ids.to(logits.device)] = logits
+    return full
+
+
 class Eagle3Draft(nn.Module):
     """EAGLE-3 draft (one decoder layer), built from plain keyword arguments.
 
@@ -254,16 +291,8 @@ class Eagle3Draft(nn.Module):
         aux_layer_ids: list[int] | None = None,
     ) -> None:
         super().__init__()
-        if aux_layer_ids is not None and len(aux_layer_ids) != num_aux:
-            raise UserError(f"{len(aux_layer_ids)} aux layer ids {list(aux_layer_ids)} for a draft that fuses "
-                            f"{num_aux} verifier layers")
-        if layer_type not in ("llama", "qwen3"):
-            raise UserError(f"layer_type must be 'llama' or 'qwen3', got {layer_type!r}")
-        if hidden_act != "silu":
-            raise UserError(f"the EAGLE-3 draft supports hidden_act 'silu' only, got {hidden_act!r}")
-        if num_attention_heads % num_key_value_heads:
-            raise UserError(f"num_attention_heads {num_attention_heads} is not a multiple of "
-                            f"num_key_value_heads {num_key_value_heads}")
+        check_draft_shape(num_aux=num_aux, aux_layer_ids=aux_layer_ids, layer_type=layer_type, hidden_act=hidden_act,
+                          num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads)
         rope_parameters = dict(rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
         target_hidden_size = target_hidden_size or hidden_size
         self.kwargs = dict(  # exactly what save_draft writes and load_draft rebuilds from
@@ -302,15 +331,7 @@ class Eagle3Draft(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
         """Normal(0, std) for linear and embedding weights, zeros for biases, ones for norms."""
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                m.weight.normal_(0.0, std)
-                if m.bias is not None:
-                    m.bias.zero_()
-            elif isinstance(m, nn.Embedding):
-                m.weight.normal_(0.0, std)
-            elif isinstance(m, RMSNorm):
-                m.weight.fill_(1.0)
+        init_weights(self, std)
 
     def after_load(self, device: str | torch.device) -> None:
         """After weights were assigned into a meta-device build: rebuild RoPE buffers, re-freeze embeddings."""

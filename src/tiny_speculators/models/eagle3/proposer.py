@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from tiny_speculators.evaluate.sampling import SamplingParams, probs_from_logits, sample
-from tiny_speculators.models.eagle3.model import Eagle3Draft, KVCache
+from tiny_speculators.models.eagle3.model import Eagle3Draft, KVCache, to_target_logits
 from tiny_speculators.models.family import DraftTree, TreeParams
 
 __all__ = ["Eagle3Proposer"]
@@ -75,10 +75,8 @@ class Eagle3Proposer:
         return out.logits[0].float(), out.hidden_states[0]
 
     def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab logits [..., Vd] -> target-vocab logits [..., V] (-inf for ids outside the draft vocab)."""
-        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-        full[..., self.target_ids] = logits
-        return full
+        """Draft-vocab logits [..., Vd] -> target-vocab logits [..., V] (-inf outside the draft vocab)."""
+        return to_target_logits(self.draft, logits)
 
     @torch.no_grad()
     def propose_chain(self, k: int, params: SamplingParams,

@@ -40,6 +40,8 @@ from tiny_speculators.models.eagle3.model import (
     KVCache,
     RMSNorm,
     Rotary,
+    check_draft_shape,
+    init_weights,
 )
 
 __all__ = ["LlamaLayer", "PEagleDraft"]
@@ -102,13 +104,8 @@ class PEagleDraft(nn.Module):
         aux_layer_ids: list[int] | None = None,
     ) -> None:
         super().__init__()
-        if aux_layer_ids is not None and len(aux_layer_ids) != num_aux:
-            raise UserError(f"{len(aux_layer_ids)} aux layer ids {list(aux_layer_ids)} for a draft that fuses "
-                            f"{num_aux} verifier layers")
-        if layer_type not in ("llama", "qwen3"):
-            raise UserError(f"layer_type must be 'llama' or 'qwen3', got {layer_type!r}")
-        if hidden_act != "silu":
-            raise UserError(f"the P-EAGLE draft supports hidden_act 'silu' only, got {hidden_act!r}")
+        check_draft_shape(num_aux=num_aux, aux_layer_ids=aux_layer_ids, layer_type=layer_type, hidden_act=hidden_act,
+                          num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads)
         if num_layers < 1 or num_depths < 1:
             raise UserError(f"num_layers and num_depths must be at least 1 (got {num_layers}, {num_depths})")
         if not 0 <= mask_token_id < vocab_size:
@@ -151,16 +148,8 @@ class PEagleDraft(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
-        """Normal(0, std) for linear/embedding weights and the mask hidden state, zero biases, unit norms."""
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                m.weight.normal_(0.0, std)
-                if m.bias is not None:
-                    m.bias.zero_()
-            elif isinstance(m, nn.Embedding):
-                m.weight.normal_(0.0, std)
-            elif isinstance(m, RMSNorm):
-                m.weight.fill_(1.0)
+        """Normal(0, std) for linear/embedding weights, zero biases, unit norms; N(0, 1) for the mask hidden state."""
+        init_weights(self, std)
         self.mask_hidden.normal_(0.0, 1.0)  # the scale of verifier states, which fc was made for
 
     def after_load(self, device: str | torch.device) -> None:

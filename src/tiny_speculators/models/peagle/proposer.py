@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from tiny_speculators.evaluate.sampling import SamplingParams, probs_from_logits, sample
-from tiny_speculators.models.eagle3.model import KVCache
+from tiny_speculators.models.eagle3.model import KVCache, to_target_logits
 from tiny_speculators.models.peagle.model import PEagleDraft
 
 __all__ = ["PEagleProposer"]
@@ -53,9 +53,8 @@ class PEagleProposer:
         self._pending = (list(tokens), aux, start)
 
     def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-        full[..., self.target_ids] = logits
-        return full
+        """Draft-vocab logits [..., Vd] -> target-vocab logits [..., V] (-inf outside the draft vocab)."""
+        return to_target_logits(self.draft, logits)
 
     @torch.no_grad()
     def propose_chain(self, k: int, params: SamplingParams,
