@@ -119,24 +119,28 @@ def parse_report(path: Path) -> list[LoadResult]:
         benchmarks = report["benchmarks"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"{path} is not a GuideLLM JSON report ({e})") from None
-    results = []
-    for bench in benchmarks:
-        metrics, strategy = bench["metrics"], bench["config"]["strategy"]
-        totals = metrics["request_totals"]
-        streams = strategy.get("streams")
-        results.append(LoadResult(
-            concurrency=int(streams if streams is not None else strategy.get("max_concurrency") or 0),
-            requests_successful=int(totals["successful"]), requests_errored=int(totals["errored"]),
-            requests_incomplete=int(totals["incomplete"]), duration_s=float(bench["duration"]),
-            output_tokens=round(float(metrics["output_token_count"]["successful"]["total_sum"])),
-            prompt_tokens=round(float(metrics["prompt_token_count"]["successful"]["total_sum"])),
-            ttft_ms=_stat(metrics["time_to_first_token_ms"], "time-to-first-token"),
-            itl_ms=_stat(metrics["inter_token_latency_ms"], "inter-token-latency"),
-            # GuideLLM's rate "mean" is the count over the benchmark's duration
-            output_tokens_per_s=float(metrics["output_tokens_per_second"]["successful"]["mean"]),
-            requests_per_s=float(metrics["requests_per_second"]["successful"]["mean"]),
-        ))
-    return results
+    try:
+        return [_result(bench) for bench in benchmarks]
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{path} is not a GuideLLM {GUIDELLM_VERSION} report: it has no {e}") from None
+
+
+def _result(bench: dict[str, Any]) -> LoadResult:
+    metrics, strategy = bench["metrics"], bench["config"]["strategy"]
+    totals = metrics["request_totals"]
+    streams = strategy.get("streams")
+    return LoadResult(
+        concurrency=int(streams if streams is not None else strategy.get("max_concurrency") or 0),
+        requests_successful=int(totals["successful"]), requests_errored=int(totals["errored"]),
+        requests_incomplete=int(totals["incomplete"]), duration_s=float(bench["duration"]),
+        output_tokens=round(float(metrics["output_token_count"]["successful"]["total_sum"])),
+        prompt_tokens=round(float(metrics["prompt_token_count"]["successful"]["total_sum"])),
+        ttft_ms=_stat(metrics["time_to_first_token_ms"], "time-to-first-token"),
+        itl_ms=_stat(metrics["inter_token_latency_ms"], "inter-token-latency"),
+        # GuideLLM's rate "mean" is the count over the benchmark's duration
+        output_tokens_per_s=float(metrics["output_tokens_per_second"]["successful"]["mean"]),
+        requests_per_s=float(metrics["requests_per_second"]["successful"]["mean"]),
+    )
 
 
 def _guidellm_error(log_text: str) -> str | None:

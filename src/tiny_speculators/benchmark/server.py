@@ -75,6 +75,7 @@ def check_port_free(port: int, host: str = HOST, option: str = "--port") -> None
     if not 0 < port < 65536:
         raise UserError(f"{option} {port} is not a TCP port (1-65535)")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
         try:
             s.bind((host, port))
         except OSError as e:
@@ -99,10 +100,27 @@ def sigterm_as_exit() -> Iterator[None]:
 
 
 def failure_reason(log_text: str) -> str | None:
-    """The most specific error line of a vLLM log: the first root-cause exception, else the last one."""
-    found = [m["msg"].strip() for line in log_text.splitlines() if (m := _ERROR_LINE.match(line.strip()))]
+    """The most specific error line of a vLLM log: the first root-cause exception, else the last exception,
+    else the last line (the command line that heads our logs excluded).
+
+    A pydantic "N validation error(s) for X" line gets its first detail line appended (that is the reason).
+    """
+    lines = log_text.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        match = _ERROR_LINE.match(line.strip())
+        if match is None:
+            continue
+        msg = re.sub(r"^(?:\w+\.)+(?=\w+:)", "", match["msg"].strip())  # pydantic_core._pydantic_core.X -> X
+        if re.search(r"\d+ validation errors? for ", msg):
+            detail = next((d.strip() for d in lines[i + 1:i + 4] if d.startswith(" ") and d.strip()
+                           and not d.strip().startswith("For further information")), "")
+            detail = re.sub(r"\s*\[type=.*$", "", detail)
+            msg = f"{msg}: {detail}" if detail else msg
+        found.append(msg)
     specific = [f for f in found if not any(g in f for g in _GENERIC_ERRORS)]
-    return (specific or found or [None])[0]
+    last = [line.strip() for line in lines if line.strip() and not line.startswith("$ ")][-1:]
+    return (specific or found or last or [None])[0]
 
 
 class VllmServer:

@@ -205,6 +205,9 @@ def benchmark(
         check_port_free(port)
     info = read_draft(draft) if draft is not None else {"method": None, "k": None, "verifier": None}
     prompt_list = load_prompts(prompts)
+    if endpoint is not None:  # before anything else: a server that does not answer is the likeliest mistake
+        model = served_model(endpoint, "--endpoint")
+        base_model = served_model(baseline_endpoint, "--baseline-endpoint") if baseline_endpoint else None
     venv = Path(vllm_venv).expanduser() if vllm_venv is not None else default_vllm_venv()
     guidellm_exe = find_guidellm(guidellm, venv)
     python = vllm_python(venv) if endpoint is None else None
@@ -219,12 +222,9 @@ def benchmark(
     endpoints: dict[str, str | None] = {"draft": endpoint, "baseline": baseline_endpoint}
 
     if endpoint is not None:
-        model = served_model(endpoint, "--endpoint")
-        if baseline_endpoint is not None:
-            base_model = served_model(baseline_endpoint, "--baseline-endpoint")
-            if base_model != model:
-                log.warning("--endpoint serves %s, --baseline-endpoint %s: GuideLLM asks each for its own model",
-                            model, base_model)
+        if base_model is not None and base_model != model:
+            log.warning("--endpoint serves %s, --baseline-endpoint %s: GuideLLM asks each for its own model",
+                        model, base_model)
         try:  # GuideLLM's tokenizer: a local copy of the verifier when there is one
             tokenizer = serving_verifier(verifier, info["verifier"] or model)
         except UserError:
@@ -232,7 +232,7 @@ def benchmark(
         served_k = k or info["k"]
         runs["draft"] = _measure(endpoint, "draft", what="--endpoint", model=model, tokenizer=tokenizer,
                                  **common)
-        if baseline_endpoint is not None:
+        if baseline_endpoint is not None and base_model is not None:
             runs["baseline"] = _measure(baseline_endpoint, "baseline", what="--baseline-endpoint",
                                         model=base_model, tokenizer=tokenizer, **common)
         verifier_path = tokenizer
