@@ -9,7 +9,7 @@ load. Writes into ``out``: ``results.json`` (per concurrency: TTFT and ITL p50/p
 requests/s, τ, per-position acceptance, speed-ups), ``summary.json``, ``benchmark.png``, and ``logs/``
 (server logs), ``guidellm/`` (scenarios, logs, reports), ``metrics/`` (raw /metrics snapshots).
 
-Tiny CPU run on the embedded verifier (a few minutes on 2 cores; the speed-up is below 1 on a CPU)::
+Tiny CPU run on the embedded verifier (about 4 minutes on 2 cores; on a CPU the speed-up is about 1 or below)::
 
     tiny-speculators benchmark --draft runs/smollm2-135m/export --verifier smollm2-135m \
         --out runs/benchmark --concurrency 1 2 --requests 4 --output-tokens 32 --enforce-eager
