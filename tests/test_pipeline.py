@@ -16,6 +16,8 @@ from tiny_speculators.pipeline import STAGE_ORDER, pipeline, plan_pipeline, vllm
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "src" / "tiny_speculators" / "resources" / "prompts" / "train.jsonl"
+# every stage but benchmark, which needs the vLLM environment (tests/benchmark runs it)
+CORE = tuple(name for name in STAGE_ORDER if name != "benchmark")
 
 # per-stage options that make any config run in seconds on a tiny verifier
 SHORT: dict[str, dict] = {
@@ -57,7 +59,7 @@ def tiny_config(tmp_path, tiny_llama_dir) -> Path:
         pytest.skip(f"stages not built yet: {', '.join(missing)}")
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(PROMPTS.read_text(encoding="utf-8").splitlines(keepends=True)[:6]), encoding="utf-8")
-    config = shorten({name: {} for name in STAGE_ORDER}, tiny_llama_dir, tmp_path / "run")
+    config = shorten({name: {} for name in CORE}, tiny_llama_dir, tmp_path / "run")
     config["regenerate"]["data"] = [str(data)]
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
@@ -73,10 +75,10 @@ def _edit(path: Path, stage: str, **options) -> None:
 def test_pipeline_end_to_end_skip_change_and_range(tiny_config, capsys):
     first = pipeline(tiny_config)
     run = Path(first["run_dir"])
-    assert first["actions"] == {name: "ran" for name in STAGE_ORDER}
+    assert first["actions"] == {name: "ran" for name in CORE}
     manifest = json.loads((run / "pipeline.json").read_text())
-    assert all(manifest["stages"][n]["status"] == "done" for n in STAGE_ORDER)
-    for name in STAGE_ORDER:
+    assert all(manifest["stages"][n]["status"] == "done" for n in CORE)
+    for name in CORE:
         assert (run / name / "summary.json").is_file(), name
     assert first["acceptance_length"] >= 1.0 and len(first["per_position_acceptance"]) == 2
     assert first["draft"] == str(run / "export")
@@ -88,10 +90,10 @@ def test_pipeline_end_to_end_skip_change_and_range(tiny_config, capsys):
     assert "vllm serve" in printed and '"method": "eagle3"' in printed and "τ" in printed
 
     # nothing changed: nothing runs
-    mtimes = {n: (run / n / "summary.json").stat().st_mtime_ns for n in STAGE_ORDER}
+    mtimes = {n: (run / n / "summary.json").stat().st_mtime_ns for n in CORE}
     again = pipeline(tiny_config)
-    assert again["actions"] == {name: "skipped" for name in STAGE_ORDER}
-    assert {n: (run / n / "summary.json").stat().st_mtime_ns for n in STAGE_ORDER} == mtimes
+    assert again["actions"] == {name: "skipped" for name in CORE}
+    assert {n: (run / n / "summary.json").stat().st_mtime_ns for n in CORE} == mtimes
 
     # a train option changed: train and everything downstream rerun, upstream is skipped
     _edit(tiny_config, "train", lr=0.001)
@@ -202,3 +204,16 @@ def test_embedded_family_variants_run_end_to_end(name, tmp_path, tiny_llama_dir,
     if exported["vllm_speculative_config"]:
         assert result["serve"].startswith("vllm serve") and json.dumps(exported["vllm_speculative_config"]["method"]) \
             in result["serve"]
+
+
+def test_benchmark_section_is_optional_and_measures_the_export(tmp_path):
+    raw = {"run_dir": str(tmp_path / "run"), "verifier": "smollm2-135m", "prepare": {"data": [str(PROMPTS)]},
+           "vocab": {}, "train": {}, "export": {}, "evaluate": {}}
+    assert "benchmark" not in plan_pipeline(dict(raw)).stages
+    plan = plan_pipeline({**raw, "benchmark": {"concurrency": [1, 4], "requests": 8}})
+    bench = plan.stages["benchmark"]
+    assert list(plan.stages)[-1] == "benchmark" and bench.upstream == ["export"]
+    assert bench.kwargs["draft"] == tmp_path / "run" / "export" and bench.kwargs["verifier"] == "smollm2-135m"
+    assert bench.kwargs["concurrency"] == (1, 4) and bench.out == tmp_path / "run" / "benchmark"
+    with pytest.raises(UserError, match="'benchmark' may not set draft"):
+        plan_pipeline({**raw, "benchmark": {"draft": "elsewhere"}})

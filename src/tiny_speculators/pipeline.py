@@ -12,6 +12,7 @@ own options (the same keys as its CLI flags)::
     train: {max_steps: 600}
     export: {}
     evaluate: {max_new_tokens: 64}
+    benchmark: {concurrency: [1, 4]}    # optional: GuideLLM against vllm serve (needs scripts/vllm_env.sh)
 
 The pipeline supplies the paths that connect the stages (``data``, ``out``, ``vocab``,
 ``hidden_states``, ``checkpoint``, ``draft``) and ``verifier``; a section may not set them. Data paths
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["MANIFEST", "STAGE_ORDER", "PipelinePlan", "pipeline", "plan_pipeline", "vllm_serve_command"]
 
-STAGE_ORDER = ("regenerate", "prepare", "vocab", "extract", "train", "export", "evaluate")
+STAGE_ORDER = ("regenerate", "prepare", "vocab", "extract", "train", "export", "evaluate", "benchmark")
 MANIFEST = "pipeline.json"
 TOP_LEVEL = ("run_dir", "verifier")
 # options each stage gets from the pipeline (never from its YAML section)
@@ -65,6 +66,7 @@ WIRED: dict[str, tuple[str, ...]] = {
     "train": ("verifier", "vocab", "out", "hidden_states", "data"),
     "export": ("checkpoint", "out"),
     "evaluate": ("verifier", "draft", "out"),
+    "benchmark": ("verifier", "draft", "out"),
 }
 BUILTIN_PREFIX = "builtin:"
 
@@ -228,6 +230,8 @@ def plan_pipeline(raw: dict[str, Any], source: str = "pipeline config") -> Pipel
             ["vocab", "extract"], [])
     add("export", {"checkpoint": run_dir / "train"}, ["train"], [])
     add("evaluate", {"verifier": verifier, "draft": run_dir / "export"}, ["export"], [])
+    if "benchmark" in sections:
+        add("benchmark", {"verifier": verifier, "draft": run_dir / "export"}, ["export"], [])
     for name, plan in stages.items():  # options that are files outside the run (chat_template, init_from ...)
         for key, value in plan.options.items():
             if isinstance(plan.kwargs.get(key), Path) and key not in ("out",):
@@ -236,7 +240,8 @@ def plan_pipeline(raw: dict[str, Any], source: str = "pipeline config") -> Pipel
                     plan.kwargs[key] = path = base / path
                 if path.exists():
                     plan.external.append(path)
-            if key == "prompts" and name == "evaluate" and str(value) != "builtin" and Path(str(value)).suffix:
+            if (key == "prompts" and name in ("evaluate", "benchmark") and str(value) != "builtin"
+                    and Path(str(value)).suffix):
                 path = Path(str(value)) if Path(str(value)).is_absolute() else base / str(value)
                 plan.kwargs[key] = str(path)
                 if path.exists():
@@ -294,6 +299,7 @@ def pipeline(
     train: dict | None = None,
     export: dict | None = None,
     evaluate: dict | None = None,
+    benchmark: dict | None = None,
 ) -> dict[str, Any]:
     """Run the stages of a pipeline YAML in order; unchanged finished stages are skipped.
 
@@ -313,10 +319,12 @@ def pipeline(
         train: Options of the train stage.
         export: Options of the export stage.
         evaluate: Options of the evaluate stage.
+        benchmark: Options of the benchmark stage (optional section: vllm serve + GuideLLM, needs the vLLM
+            environment of scripts/vllm_env.sh).
     """
     raw: dict[str, Any] = load_yaml(config) if config is not None else {}
     given = {"run_dir": run_dir, "verifier": verifier, "regenerate": regenerate, "prepare": prepare, "vocab": vocab,
-             "extract": extract, "train": train, "export": export, "evaluate": evaluate}
+             "extract": extract, "train": train, "export": export, "evaluate": evaluate, "benchmark": benchmark}
     raw.update({k: v for k, v in given.items() if v is not None})
     source = str(config) if config is not None else "pipeline options"
     t0 = time.perf_counter()

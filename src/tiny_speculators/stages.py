@@ -18,6 +18,8 @@ STAGES: dict[str, tuple[str, str]] = {
     "train": ("tiny_speculators.train.stage:train", "train a draft (EAGLE-3, P-EAGLE, ...) offline or online"),
     "export": ("tiny_speculators.export.stage:export", "write a checkpoint in the format a server loads"),
     "evaluate": ("tiny_speculators.evaluate.stage:evaluate", "real speculative decoding: acceptance, speed-up"),
+    "benchmark": ("tiny_speculators.benchmark.stage:benchmark",
+                  "GuideLLM against vllm serve with and without the draft: latency, throughput, acceptance"),
     "pipeline": ("tiny_speculators.pipeline:pipeline", "run every stage from one YAML file"),
 }
 

