@@ -76,7 +76,7 @@ def build(inputs: BuildInputs, options: MTPOptions) -> MTPDraft:
     draft = MTPDraft(**stitched.draft_kwargs(cfg, "the verifier's config", options.layer))
     embed, lm_head = inputs.embed_weight, inputs.lm_head_weight
     layer: dict[str, torch.Tensor] = {}
-    if inputs.verifier_path is not None:
+    if (embed is None or lm_head is None) and inputs.verifier_path is not None:  # train passes no lm_head by default
         embed, lm_head = read_shared(verifier_folder(inputs.verifier_path),
                                      bool(getattr(cfg, "tie_word_embeddings", False)))
     if options.init == "verifier":
