@@ -44,7 +44,7 @@ def check_config(draft: str, out: str) -> None:
 
 
 def generate(model: str, out: str, prompts_path: str, max_tokens: int, spec: bool, k: int | None,
-             max_model_len: int = 1024) -> None:
+             max_model_len: int = 1024, spec_config: str | None = None) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -54,6 +54,8 @@ def generate(model: str, out: str, prompts_path: str, max_tokens: int, spec: boo
                   max_num_seqs=8)
     if spec and k is not None:
         kwargs["speculative_config"] = {"num_speculative_tokens": k}
+    if spec and spec_config:  # an explicit speculative config, e.g. {"method": "mtp", "num_speculative_tokens": 3}
+        kwargs["speculative_config"] = json.loads(spec_config)
     start = time.time()
     llm = LLM(model=model, **kwargs)
     loaded = time.time() - start
@@ -98,11 +100,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--no-spec", action="store_true")
     parser.add_argument("--k", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--spec-config", default=None, help="speculative_config as JSON (overrides --k)")
     args = parser.parse_args(argv)
     if args.mode == "config":
         check_config(args.model, args.out)
     else:
-        generate(args.model, args.out, args.prompts, args.max_tokens, not args.no_spec, args.k, args.max_model_len)
+        generate(args.model, args.out, args.prompts, args.max_tokens, not args.no_spec, args.k, args.max_model_len,
+                 args.spec_config)
 
 
 if __name__ == "__main__":

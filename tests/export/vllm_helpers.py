@@ -53,6 +53,7 @@ EVAL_PROMPTS = [
     "What is the difference between a list and a tuple in Python?",
 ]
 AUX_LAYER_IDS = [2, 15, 27]
+SMOLLM2_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 REPO = Path(__file__).resolve().parents[2]
 CHECK = Path(__file__).with_name("vllm_check.py")
 
@@ -94,8 +95,11 @@ def greedy_answers(model, prompts: list[list[int]], new_tokens: int, pad_id: int
 
 
 def train_draft(verifier_dir: Path, out: Path, *, steps: int = 60, new_tokens: int = 48, seed: int = 0,
-                algorithm: str = "eagle3", options: dict | None = None) -> Path:
-    """Train a small draft for ``verifier_dir`` and save it with ``save_draft`` into ``out``.
+                algorithm: str = "eagle3", options: dict | None = None, verifier_name: str | None = None,
+                lr: float = 2e-3) -> Path:
+    """Train a small draft for ``verifier_dir`` and save it with ``save_draft`` into ``out`` (recording
+    ``verifier_name``, default the embedded verifier's hub id). A family with ``fixed_aux_layer_ids`` reads its own
+    layers; the others ``AUX_LAYER_IDS``.
 
     Runs on one torch thread: on a busy 2-core machine two threads thrash (measured ~10x slower).
     """
@@ -103,13 +107,13 @@ def train_draft(verifier_dir: Path, out: Path, *, steps: int = 60, new_tokens: i
     torch.set_num_threads(1)
     try:
         return _train_draft(verifier_dir, out, steps=steps, new_tokens=new_tokens, seed=seed, algorithm=algorithm,
-                            options=options or {})
+                            options=options or {}, verifier_name=verifier_name or SMOLLM2_ID, lr=lr)
     finally:
         torch.set_num_threads(threads)
 
 
 def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, seed: int, algorithm: str,
-                 options: dict) -> Path:
+                 options: dict, verifier_name: str, lr: float) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tiny_speculators.models.checkpoint import save_draft
@@ -135,8 +139,15 @@ def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, 
         ids[i, : len(s)] = torch.tensor(s)
         attn[i, : len(s)] = 1
         mask[i, len(p): len(s)] = 1  # learn the answers
+    aux_ids = AUX_LAYER_IDS
+    if algorithm != "eagle3":
+        from tiny_speculators.models import get_family
+
+        family = get_family(algorithm)
+        if family.fixed_aux_layer_ids:
+            aux_ids = family.default_aux_layer_ids(parts.num_hidden_layers)
     with torch.no_grad():
-        aux, last = capture_hidden_states(model, ids, attn, AUX_LAYER_IDS, parts=parts)
+        aux, last = capture_hidden_states(model, ids, attn, aux_ids, parts=parts)
 
     # Draft vocab: every token of the data plus the most common low ids, sorted (d2t/t2d contract).
     vocab = model.config.vocab_size
@@ -146,7 +157,8 @@ def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, 
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[used] = True
     if algorithm != "eagle3":  # any other family through the family seam (its builder and objective)
-        return _train_family(model, parts, out, algorithm, options, ids, mask, aux, last, d2t, t2d, steps, seed)
+        return _train_family(model, parts, out, algorithm, options, ids, mask, aux, last, d2t, t2d, steps, seed,
+                             aux_ids=aux_ids, verifier_dir=verifier_dir, verifier_name=verifier_name, lr=lr)
     kwargs = draft_kwargs_from_verifier(model.config, draft_vocab)
     draft = build_draft(kwargs, d2t, t2d, embed_weight=parts.embed_tokens.weight.detach(),
                         lm_head_weight=parts.lm_head.weight.detach())
@@ -166,7 +178,7 @@ def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, 
         if step % 25 == 0 or step == steps - 1:
             log.info("draft training step %d loss %.3f", step, float(result.loss.detach()))
     meta = {"aux_layer_ids": AUX_LAYER_IDS,
-            "verifier": {"name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
+            "verifier": {"name_or_path": verifier_name,
                          "architectures": list(model.config.architectures or []),
                          "hidden_size": model.config.hidden_size, "vocab_size": vocab},
             "trained_with": {"ttt_steps": 3, "decay": 0.8, "mode": "test self-distillation", "steps": steps}}
@@ -175,7 +187,8 @@ def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, 
 
 
 def _train_family(model, parts, out: Path, algorithm: str, options: dict, ids, mask, aux, last, d2t, t2d,
-                  steps: int, seed: int) -> Path:
+                  steps: int, seed: int, *, aux_ids: list[int], verifier_dir: Path, verifier_name: str,
+                  lr: float) -> Path:
     from tiny_speculators.models import get_family
     from tiny_speculators.models.checkpoint import save_draft
     from tiny_speculators.models.family import BuildInputs, options_record, parse_options
@@ -183,11 +196,12 @@ def _train_family(model, parts, out: Path, algorithm: str, options: dict, ids, m
 
     family = get_family(algorithm)
     opts = parse_options(family.options, options, algorithm)
-    inputs = BuildInputs(verifier_config=model.config, d2t=d2t, t2d=t2d, aux_layer_ids=AUX_LAYER_IDS,
-                         embed_weight=parts.embed_tokens.weight.detach(), lm_head_weight=parts.lm_head.weight.detach())
+    inputs = BuildInputs(verifier_config=model.config, d2t=d2t, t2d=t2d, aux_layer_ids=aux_ids,
+                         embed_weight=parts.embed_tokens.weight.detach(), lm_head_weight=parts.lm_head.weight.detach(),
+                         verifier_path=str(verifier_dir))
     draft = family.build(inputs, opts)
     objective = family.objective(draft, TargetHead(parts.norm, parts.lm_head), opts, "sdpa").train()
-    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=2e-3, weight_decay=0.0)
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(seed)
     t = ids.shape[1]
     for step in range(steps):
@@ -201,7 +215,7 @@ def _train_family(model, parts, out: Path, algorithm: str, options: dict, ids, m
         optimizer.step()
         if step % 25 == 0 or step == steps - 1:
             log.info("%s draft training step %d loss %.3f", algorithm, step, float(result.loss.detach()))
-    meta = {"verifier": {"name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    meta = {"verifier": {"name_or_path": verifier_name,
                          "architectures": list(model.config.architectures or []),
                          "hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size},
             "speculative_tokens": family.speculative_tokens(opts),

@@ -2,6 +2,8 @@
 
 build -> save -> load -> objective step (loss, counts, metric sums, summary) -> proposer (commit, chain) ->
 export in each of its formats -> import round trip; and its options reject a typo with the key's name.
+A family that ``reads_verifier_files`` (MTP: the verifier's own layer) runs on a tiny verifier that ships them
+(MiMo layout); one with ``fixed_aux_layer_ids`` reads its own layers instead of ``AUX``.
 """
 
 from __future__ import annotations
@@ -20,31 +22,44 @@ from tiny_speculators.models.importing import import_draft
 AUX = [2, 4, 5]
 
 
-@pytest.fixture(scope="module")
-def verifier(tiny_llama_dir):
+def _verifier(path):
     from tiny_speculators.verifier.head import load_verifier_head
     from tiny_speculators.verifier.load import load_verifier
 
-    model, _ = load_verifier(str(tiny_llama_dir), with_tokenizer=False)
-    return model, load_verifier_head(str(tiny_llama_dir))
+    model, _ = load_verifier(str(path), with_tokenizer=False)
+    return model, load_verifier_head(str(path))
 
 
-def _inputs(head, draft_vocab: int = 64) -> BuildInputs:
+@pytest.fixture(scope="module")
+def verifiers(tiny_llama_dir, request):
+    """(folder, model, head) per kind, loaded once: 'plain' (Llama) and 'own weights' (MiMo with an MTP layer)."""
+    loaded = {}
+
+    def get(own_weights: bool):
+        if own_weights not in loaded:
+            path = request.getfixturevalue("tiny_mimo_dir") if own_weights else tiny_llama_dir
+            loaded[own_weights] = (path, *_verifier(path))
+        return loaded[own_weights]
+
+    return get
+
+
+def _inputs(head, aux: list[int], path, draft_vocab: int = 64) -> BuildInputs:
     vocab = head.config.vocab_size
     target_ids = torch.arange(0, 2 * draft_vocab, 2)
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[target_ids] = True
     return BuildInputs(verifier_config=head.config, d2t=target_ids - torch.arange(draft_vocab), t2d=t2d,
-                       aux_layer_ids=AUX, embed_weight=head.embed_weight.float(),
-                       lm_head_weight=head.target_head.lm_head.weight.float())
+                       aux_layer_ids=aux, embed_weight=head.embed_weight.float(),
+                       lm_head_weight=head.target_head.lm_head.weight.float(), verifier_path=str(path))
 
 
-def _batch(model, n: int = 2, t: int = 24, seed: int = 0) -> dict:
+def _batch(model, aux_ids: list[int], n: int = 2, t: int = 24, seed: int = 0) -> dict:
     from tiny_speculators.verifier.capture import capture_hidden_states
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (n, t), generator=g)
-    aux, last = capture_hidden_states(model, ids, torch.ones_like(ids), AUX)
+    aux, last = capture_hidden_states(model, ids, torch.ones_like(ids), aux_ids)
     mask = torch.ones(n, t)
     mask[:, :4] = 0
     return {"input_ids": ids, "loss_mask": mask, "attention_mask": torch.ones_like(ids),
@@ -53,26 +68,27 @@ def _batch(model, n: int = 2, t: int = 24, seed: int = 0) -> dict:
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_family_contract(name, verifier, tiny_llama_dir, tmp_path):
-    model, head = verifier
+def test_family_contract(name, verifiers, tmp_path):
     family = get_family(name)
+    tiny_llama_dir, model, head = verifiers(family.reads_verifier_files)
+    aux = family.default_aux_layer_ids(model.config.num_hidden_layers) if family.fixed_aux_layer_ids else AUX
     options = family.options()
     torch.manual_seed(0)
-    draft = family.build(_inputs(head), options)
-    assert family_of(draft) is family and draft.kwargs["aux_layer_ids"] == AUX
+    draft = family.build(_inputs(head, AUX, tiny_llama_dir), options)
+    assert family_of(draft) is family and draft.kwargs["aux_layer_ids"] == aux
 
     # save -> load: same weights, same config
     save_draft(tmp_path / "ckpt", draft, {"verifier": {"name_or_path": str(tiny_llama_dir), "architectures": [],
                                                        "hidden_size": 64, "vocab_size": model.config.vocab_size}})
     loaded, config = load_draft(tmp_path / "ckpt")
-    assert type(loaded) is type(draft) and config["model_type"] == name and config["aux_layer_ids"] == AUX
+    assert type(loaded) is type(draft) and config["model_type"] == name and config["aux_layer_ids"] == aux
     for (k1, v1), (k2, v2) in zip(draft.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert k1 == k2 and torch.equal(v1, v2), k1
 
     # objective: a differentiable loss, counts that normalize it, metric sums its summary reads
     objective = family.objective(draft, head.target_head, options, "sdpa")
     assert isinstance(objective, Objective)
-    batch = _batch(model)
+    batch = _batch(model, aux)
     counts = objective.loss_counts(batch)
     out = objective(batch, counts.float().clamp(min=1))
     out.loss.backward()
@@ -111,7 +127,7 @@ def test_family_contract(name, verifier, tiny_llama_dir, tmp_path):
         write_json_atomic(folder / "config.json", cfg)
         assert fmt.detect(cfg)
         back, back_cfg = import_draft(folder, verifier=str(tiny_llama_dir))
-        assert back_cfg["model_type"] == name and back_cfg["aux_layer_ids"] == AUX, fmt.name
+        assert back_cfg["model_type"] == name and back_cfg["aux_layer_ids"] == aux, fmt.name
         for key, value in loaded.state_dict().items():
             torch.testing.assert_close(back.state_dict()[key], value, atol=0, rtol=0, msg=f"{fmt.name}: {key}")
 

@@ -126,7 +126,7 @@ def evaluate(
     aux_layer_ids = config.get("aux_layer_ids") or family.default_aux_layer_ids(n_layers)
     if not config.get("aux_layer_ids"):
         log.warning("draft %s records no aux layer ids; using the %s default %s", draft, family.name, aux_layer_ids)
-    if max(aux_layer_ids) >= n_layers:
+    if max(aux_layer_ids) > n_layers:  # id N: the last layer's output (an MTP layer's input)
         raise UserError(f"draft {draft} reads verifier layers {aux_layer_ids}; verifier {verifier} has {n_layers}")
     proposer = family.proposer(draft_model)
     if tree and not proposer.supports_tree:

@@ -39,7 +39,7 @@ class TargetRunner:
 
         self.model = model
         self.parts = find_parts(model)
-        bad = [i for i in aux_layer_ids if not 0 <= i < self.parts.num_hidden_layers]
+        bad = [i for i in aux_layer_ids if not 0 <= i <= self.parts.num_hidden_layers]  # N: the last layer's output
         if bad:
             raise UserError(f"aux layer ids {bad} do not exist in a verifier with {self.parts.num_hidden_layers} "
                             "layers")
@@ -48,8 +48,11 @@ class TargetRunner:
         self.cache = None
         self.reset()
         self._captured: dict[int, torch.Tensor] = {}
+        n = self.parts.num_hidden_layers
         self._hooks = [self.parts.layers[i].register_forward_pre_hook(self._hook(i), with_kwargs=True)
-                       for i in self.aux_layer_ids]
+                       for i in self.aux_layer_ids if i < n]
+        if n in self.aux_layer_ids:  # id N: the last layer's output, before the final norm
+            self._hooks.append(self.parts.layers[-1].register_forward_hook(self._last_hook(n)))
         self.forwards = 0
         # transformers 5.x renamed past_key_values -> cache; accept both
         params = inspect.signature(model.forward).parameters
@@ -61,6 +64,11 @@ class TargetRunner:
             hidden = args[0] if args else kwargs["hidden_states"]
             self._captured[layer_id] = hidden.detach()
         return pre_hook
+
+    def _last_hook(self, layer_id: int):
+        def hook(module, args, output):
+            self._captured[layer_id] = (output[0] if isinstance(output, (tuple, list)) else output).detach()
+        return hook
 
     def close(self) -> None:
         for h in self._hooks:

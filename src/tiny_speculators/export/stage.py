@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any, Literal
 
@@ -139,6 +140,8 @@ def export(
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     write_json(out / "config.json", cfg)
+    for companion in fmt.companions(name) if fmt.companions else []:  # e.g. the verifier's tokenizer
+        shutil.copyfile(companion, out / companion.name)
     atomic_write(out / "README.md", lambda tmp: Path(tmp).write_text(card))
     summary = {
         "format": fmt.name,

@@ -27,5 +27,5 @@ def check_against_verifier(draft_kwargs: Mapping[str, Any], verifier: Any, name:
         raise UserError(f"verifier {name} has vocab size {vocab} but the draft's embeddings and t2d cover "
                         f"{draft_kwargs['vocab_size']} tokens: the draft does not belong to this verifier")
     aux = draft_kwargs.get("aux_layer_ids")
-    if layers and aux and max(aux) >= int(layers):
+    if layers and aux and max(aux) > int(layers):  # id N = the last layer's output (before the final norm)
         raise UserError(f"aux layer ids {list(aux)} do not exist in verifier {name} ({layers} layers)")

@@ -9,7 +9,8 @@ A family is a frozen :class:`DraftFamily` of plain functions and types, listed i
 * **options**: a frozen dataclass of the family's own training options (``train: {algorithm: peagle,
   peagle: {...}}`` in YAML, ``--peagle-<option>`` on the command line).
 * **build**: a fresh draft from :class:`BuildInputs` (verifier config, vocab maps, embeddings) + options.
-* **default_aux_layer_ids**: which verifier layers it needs when the user does not say.
+* **default_aux_layer_ids**: which verifier layers it needs when the user does not say (id ``i`` = the input of
+  layer ``i``; id ``N`` = the last layer's output before the final norm); ``fixed_aux_layer_ids``: always those.
 * **objective**: the training forward, an ``nn.Module`` satisfying :class:`Objective` (loss, metric sums,
   the counts that normalize the loss exactly across micro-batches and ranks, their summary).
 * **proposer**: what ``evaluate`` drives during speculative decoding (:class:`Proposer`).
@@ -47,6 +48,7 @@ class BuildInputs:
     aux_layer_ids: list[int]
     embed_weight: torch.Tensor | None = None  # (V, H) the verifier's token embeddings
     lm_head_weight: torch.Tensor | None = None  # (V, H) the verifier's lm_head, when the draft starts from it
+    verifier_path: str | None = None  # the verifier's name or folder, for families that read its files
 
 
 @dataclass
@@ -149,6 +151,7 @@ class DraftFormat:
     serve: Callable[[str, str, int], str]
     card: Callable[[Mapping[str, Any]], dict[str, Any]]
     vllm_speculative_config: Callable[[str, int], dict[str, Any]] | None = None  # None: vLLM cannot serve it
+    companions: Callable[[str], list[Path]] | None = None  # (verifier_name) -> files export copies beside the weights
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,8 @@ class DraftFamily:
     formats: tuple[DraftFormat, ...]
     speculative_tokens: Callable[[Any], int]  # the default k to serve with, from the training options
     notes: dict[str, str] = field(default_factory=dict)
+    fixed_aux_layer_ids: bool = False  # it always reads default_aux_layer_ids(N) (e.g. MTP: [N], the last state)
+    reads_verifier_files: bool = False  # build reads weights from the verifier's own files (BuildInputs.verifier_path)
 
     def format(self, name: str | None = None) -> DraftFormat:
         if name is None:

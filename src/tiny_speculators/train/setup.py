@@ -133,7 +133,13 @@ def _source_and_head(opts: TrainOptions, family: DraftFamily, info: D.DistInfo):
         verifier, _ = load_verifier(opts.verifier, dtype=vdtype, device=info.device,
                                     trust_remote_code=opts.trust_remote_code, with_tokenizer=False)
         n_layers = find_parts(verifier).num_hidden_layers
-        aux = check_layer_ids(opts.aux_layer_ids or family.default_aux_layer_ids(n_layers), n_layers)
+        if family.fixed_aux_layer_ids:
+            aux = family.default_aux_layer_ids(n_layers)
+            if opts.aux_layer_ids and list(opts.aux_layer_ids) != aux:
+                raise UserError(f"--aux-layer-ids: a {family.name} draft always reads verifier layer(s) {aux}")
+            aux = check_layer_ids(aux, n_layers, allow_last=True)
+        else:
+            aux = check_layer_ids(opts.aux_layer_ids or family.default_aux_layer_ids(n_layers), n_layers)
         return OnlineSource(opts.data, verifier, aux, opts.max_length), head_from_model(verifier), aux
     from tiny_speculators.train.sources import OfflineSource
     from tiny_speculators.verifier.head import load_verifier_head
@@ -154,7 +160,8 @@ def _initial_draft(opts: TrainOptions, family: DraftFamily, head, aux: list[int]
     if opts.init_from is None:
         lm_head_w = head.target_head.lm_head.weight.detach().float() if opts.init_lm_head else None
         inputs = BuildInputs(verifier_config=text_config(head.config), d2t=d2t, t2d=t2d, aux_layer_ids=list(aux),
-                             embed_weight=head.embed_weight.float(), lm_head_weight=lm_head_w)
+                             embed_weight=head.embed_weight.float(), lm_head_weight=lm_head_w,
+                             verifier_path=opts.verifier)
         return family.build(inputs, opts.family)
     # our checkpoint, or a published draft (speculators / SGLang format)
     from tiny_speculators.models.importing import import_draft

@@ -35,12 +35,16 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
-def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
-    """Validate aux layer ids (each the index of a layer whose INPUT is captured: 0 .. N-1)."""
+def check_layer_ids(layer_ids: Sequence[int], num_layers: int, allow_last: bool = False) -> list[int]:
+    """Validate aux layer ids (each the index of a layer whose INPUT is captured: 0 .. N-1; with ``allow_last``
+    also N: the last layer's output before the final norm, what an MTP layer reads)."""
     ids = [int(i) for i in layer_ids]
     if not ids:
         raise UserError("at least one aux layer id is needed")
-    bad = [i for i in ids if not 0 <= i < num_layers]
+    bad = [i for i in ids if not 0 <= i < num_layers + int(allow_last)]
+    if bad and allow_last:
+        raise UserError(f"aux layer id(s) {bad} out of range: the verifier has {num_layers} layers, so ids must be "
+                        f"in 0..{num_layers} (id i = the input of layer i, id {num_layers} = the last layer's output)")
     if bad:
         raise UserError(f"aux layer id(s) {bad} out of range: the verifier has {num_layers} layers, so ids must be "
                         f"in 0..{num_layers - 1} (id i = the input of layer i)")
@@ -63,11 +67,11 @@ def capture_hidden_states(
         model: the verifier (a causal LM, possibly wrapped); ignored when ``parts`` is given.
         input_ids: (B, T) token ids, right-padded.
         attention_mask: (B, T) 1 for real tokens, 0 for padding (or None: no padding).
-        aux_layer_ids: layers whose INPUT to capture, in output order.
+        aux_layer_ids: layers whose INPUT to capture, in output order (N: the last layer's output).
         parts: ``find_parts(model)``, to skip the module search on every call.
     """
     parts = parts or find_parts(model)
-    ids = check_layer_ids(aux_layer_ids, parts.num_hidden_layers)
+    ids = check_layer_ids(aux_layer_ids, parts.num_hidden_layers, allow_last=True)
     captured: dict[int | str, torch.Tensor] = {}
 
     def pre_hook(index: int):
@@ -79,16 +83,18 @@ def capture_hidden_states(
     def last_hook(module, args, output):
         captured["last"] = output[0] if isinstance(output, (tuple, list)) else output
 
-    handles = [parts.layers[i].register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i in ids]
+    handles = [parts.layers[i].register_forward_pre_hook(pre_hook(i), with_kwargs=True)
+               for i in ids if i < parts.num_hidden_layers]
     handles.append(parts.layers[-1].register_forward_hook(last_hook))
     try:
         parts.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
-    missing = [i for i in [*ids, "last"] if i not in captured]
+    missing = [i for i in [*ids, "last"] if i not in captured and i != parts.num_hidden_layers]
     if missing:
         raise RuntimeError(f"the decoder {parts.decoder_name or type(parts.decoder).__name__} did not run "
                            f"layer(s) {missing}")
-    aux = torch.cat([captured[i] for i in ids], dim=-1)  # (B, T, n_aux*H)
+    last = parts.num_hidden_layers  # id N: the last layer's output (before the final norm)
+    aux = torch.cat([captured["last" if i == last else i] for i in ids], dim=-1)  # (B, T, n_aux*H)
     return aux, captured["last"]  # (B, T, H)

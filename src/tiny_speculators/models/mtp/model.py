@@ -1,0 +1,184 @@
+"""One multi-token-prediction (MTP) layer of a verifier: exactly what vLLM 0.32 runs for MiMo's ``mimo_mtp``.
+
+Equations (vLLM's ``mimo_mtp.py``; names as in MiMo's checkpoint ``model.mtp_layers.{k}.*``)::
+
+    e      = embed_tokens(x_{t+1}), zeroed where position == 0           # (B, T, H); the verifier's embedding
+    u      = input_proj(concat(hidden_layernorm(h_t), token_layernorm(e)))  # hidden FIRST, then token; (B, T, H)
+    r      = u + self_attn(input_layernorm(u))                           # one Qwen2/Llama decoder layer
+    out    = r + mlp(post_attention_layernorm(r))
+    y      = final_layernorm(out)                                        # what the model returns, (B, T, H)
+    logits = lm_head(y)                                                  # the verifier's lm_head, predicts x_{t+2}
+
+``h_t`` is the verifier's last decoder layer output BEFORE its final norm at the first draft step (vLLM's
+MiMo target model returns ``hidden_states + residual``), and the layer's own output ``y`` (after
+``final_layernorm``: vLLM feeds back what the MTP model returns) at every further chained step. The embedding
+and lm_head are the verifier's and stay frozen; the draft vocabulary is the verifier's whole vocabulary
+(``d2t`` zeros, ``t2d`` all true, kept so the shared training loss treats every family alike).
+
+Quick check (tiny CPU layer)::
+
+    python -c "import torch; from tiny_speculators.models.mtp.model import MTPDraft; \
+d = MTPDraft(vocab_size=100, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16, \
+intermediate_size=64, num_hidden_layers=4); ids = torch.randint(0, 100, (1, 5)); \
+print(d(ids, d.fuse(torch.randn(1, 5, 32)), torch.arange(5)[None]).logits.shape)"
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiny_speculators.errors import UserError
+from tiny_speculators.models.eagle3.model import MLP, Attention, Eagle3Output, KVCache, RMSNorm, Rotary
+
+__all__ = ["LAYER_TENSORS", "MTPDraft"]
+
+# The MTP layer's own tensors, named as in MiMo's checkpoint after ``model.mtp_layers.{k}.`` (bias: qkv_bias only)
+LAYER_TENSORS = (
+    "token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight",
+    "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "final_layernorm.weight",
+)
+BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+
+
+class MTPDraft(nn.Module):
+    """A verifier's MTP layer (MiMo layout) with the verifier's frozen embedding and lm_head.
+
+    Args:
+        vocab_size, hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
+        rms_norm_eps, rope_parameters, max_position_embeddings: the verifier's (the layer is one of its own).
+        num_hidden_layers: the verifier's decoder layers N; the draft reads the output of layer N-1 (before the
+            final norm), recorded as ``aux_layer_ids = [N]``.
+        qkv_bias: biases on q/k/v (Qwen2 and MiMo: true); o_proj never has one.
+        mtp_index: which of the verifier's MTP layers this is (``model.mtp_layers.{mtp_index}``).
+        aux_layer_ids: must be ``[num_hidden_layers]`` (accepted so checkpoints rebuild from their kwargs).
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        hidden_size: int,
+        num_attention_heads: int,
+        num_key_value_heads: int,
+        head_dim: int,
+        intermediate_size: int,
+        num_hidden_layers: int,
+        rms_norm_eps: float = 1e-6,
+        rope_parameters: dict[str, Any] | None = None,
+        max_position_embeddings: int = 4096,
+        qkv_bias: bool = True,
+        mtp_index: int = 0,
+        aux_layer_ids: list[int] | None = None,
+    ) -> None:
+        super().__init__()
+        if aux_layer_ids is not None and [int(i) for i in aux_layer_ids] != [num_hidden_layers]:
+            raise UserError(f"an MTP layer reads the verifier's last hidden state (aux layer id {num_hidden_layers}), "
+                            f"not aux layers {list(aux_layer_ids)}")
+        if num_attention_heads % num_key_value_heads:
+            raise UserError(f"num_attention_heads {num_attention_heads} is not a multiple of "
+                            f"num_key_value_heads {num_key_value_heads}")
+        rope_parameters = dict(rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
+        self.kwargs = dict(  # exactly what save_draft writes and load_draft rebuilds from
+            vocab_size=vocab_size, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads, head_dim=head_dim, intermediate_size=intermediate_size,
+            num_hidden_layers=num_hidden_layers, rms_norm_eps=rms_norm_eps, rope_parameters=rope_parameters,
+            max_position_embeddings=max_position_embeddings, qkv_bias=qkv_bias, mtp_index=mtp_index,
+            aux_layer_ids=[int(num_hidden_layers)],
+        )
+        self.hidden_size = hidden_size
+        self.draft_vocab_size = vocab_size  # the verifier's lm_head: the whole vocabulary
+
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.token_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.hidden_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.input_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.self_attn = Attention(hidden_size, num_attention_heads, num_key_value_heads, head_dim, False, False,
+                                   rms_norm_eps, input_size=hidden_size)
+        if qkv_bias:  # Qwen2: biases on q/k/v, none on o_proj (Attention's one flag would put one there too)
+            self.self_attn.q_proj = nn.Linear(hidden_size, num_attention_heads * head_dim, bias=True)
+            self.self_attn.k_proj = nn.Linear(hidden_size, num_key_value_heads * head_dim, bias=True)
+            self.self_attn.v_proj = nn.Linear(hidden_size, num_key_value_heads * head_dim, bias=True)
+        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.mlp = MLP(hidden_size, intermediate_size)
+        self.final_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        self.rotary = Rotary(head_dim, rope_parameters, max_position_embeddings)
+        self.register_buffer("d2t", torch.zeros(vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(vocab_size, dtype=torch.bool))
+        self.reset_parameters()
+        self.freeze_shared()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """A fresh layer (``init: random``): Normal(0, std) weights, zero biases, unit norms."""
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                m.weight.normal_(0.0, std)
+                if getattr(m, "bias", None) is not None:
+                    m.bias.zero_()
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+
+    def freeze_shared(self) -> None:
+        """The embedding and lm_head are the verifier's: never trained."""
+        self.embed_tokens.weight.requires_grad_(False)
+        self.lm_head.weight.requires_grad_(False)
+
+    def after_load(self, device: str | torch.device) -> None:
+        """After weights were assigned into a meta-device build: rebuild RoPE buffers, re-freeze shared weights."""
+        self.rotary = Rotary(self.kwargs["head_dim"], self.kwargs["rope_parameters"],
+                             self.kwargs["max_position_embeddings"]).to(device)
+        self.freeze_shared()
+
+    def layer_state(self) -> dict[str, torch.Tensor]:
+        """The MTP layer's own tensors (MiMo names after ``model.mtp_layers.{k}.``), without the shared ones."""
+        state = self.state_dict()
+        names = LAYER_TENSORS + (BIASES if self.kwargs["qkv_bias"] else ())
+        return {name: state[name] for name in names}
+
+    def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The verifier's last pre-norm hidden state ``[..., H]`` as the first step's ``h`` (no fusion)."""
+        return hidden.to(self.input_proj.weight.dtype)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The layer's (already final-normed) output ``[..., H]`` -> logits over the vocabulary ``[..., V]``."""
+        return self.lm_head(hidden_states)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask=None,
+        cache: KVCache | None = None,
+        *,
+        logits: bool = True,
+    ) -> Eagle3Output:
+        """One MTP step over ``T`` new positions.
+
+        Args:
+            input_ids: ``[B, T]`` the token after each position (``x_{t+1}``).
+            hidden_states: ``[B, T, H]``: the verifier's last pre-norm state, or the previous step's output.
+            position_ids: ``[B, T]`` RoPE positions; the token embedding is zeroed where it is 0.
+            attention_mask, cache: as in :class:`~tiny_speculators.models.eagle3.model.Eagle3Draft`.
+            logits: compute ``lm_head(y)``; False returns only ``y`` (the loss computes logits in chunks).
+
+        Returns ``hidden_states = y`` (after ``final_layernorm``; fed back at the next chained step).
+        """
+        embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)  # (B, T, H)
+        embeds = torch.where(position_ids[..., None] == 0, torch.zeros_like(embeds), embeds)
+        cos, sin = self.rotary(position_ids, hidden_states.dtype)
+        u = self.input_proj(torch.cat([self.hidden_layernorm(hidden_states), self.token_layernorm(embeds)], dim=-1))
+        r = u + self.self_attn(self.input_layernorm(u), cos, sin, attention_mask, cache)  # (B, T, H)
+        y = self.final_layernorm(r + self.mlp(self.post_attention_layernorm(r)))  # (B, T, H)
+        return Eagle3Output(logits=self.compute_logits(y) if logits else None, hidden_states=y)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids are target ids (the whole vocabulary)."""
+        return draft_ids

@@ -1,0 +1,71 @@
+"""MTP's training objective: the one MTP layer applied recursively for K steps (FastMTP), as vLLM chains it.
+
+Step 1 at anchor ``t`` reads the verifier's last pre-norm state ``h_t`` and token ``x_{t+1}``; step k reads the
+layer's own output of step k-1 and ``x_{t+k}``, at position ``pos[t] + k - 1``, attending to the step-1 keys of
+its document up to ``t`` and its own chain: exactly EAGLE-3's training-time-test rollout (``eagle3/ttt.py``), so
+that rollout, its chunked KL loss to the verifier and its metrics are reused with the MTP layer as the draft.
+
+Loss: ``sum_k w_k * KL_k / count_k`` with ``w_k = beta**(k-1) / sum_j beta**(j-1)`` (normalized, beta = 0.6),
+the counts over the whole optimizer step (``loss_counts``), so micro-batches and ranks add up exactly.
+
+MTP needs the verifier's last pre-norm hidden state in every batch: online training has it, and so do the
+``full`` and ``fp8`` extract layouts; the top-k layouts drop it (a one-line error says so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiny_speculators.errors import UserError
+from tiny_speculators.models.eagle3.objective import STAT_KEYS, step_counts, summarize
+from tiny_speculators.models.eagle3.ttt import ttt_step
+from tiny_speculators.models.family import StepOutput
+
+__all__ = ["MTPObjective", "step_weights_sum"]
+
+
+def step_weights_sum(steps: int, beta: float) -> float:
+    return float(sum(beta**k for k in range(steps)))
+
+
+class MTPObjective(nn.Module):
+    """``forward(batch, loss_normalizer) -> StepOutput`` for the MTP layer (the only registered submodule)."""
+
+    def __init__(self, draft: nn.Module, target_head: nn.Module, steps: int, beta: float, attention: str,
+                 chunk_size: int = 1024, checkpoint: bool = True) -> None:
+        super().__init__()
+        self.draft = draft
+        self._head = (target_head,)  # hidden from parameters()/state_dict()/DDP
+        self.steps, self.beta, self.attention, self.chunk_size = steps, beta, attention, chunk_size
+        self.checkpoint = checkpoint
+        self.norm = step_weights_sum(steps, beta)
+
+    def forward(self, batch: dict[str, Any], loss_normalizer: torch.Tensor | None = None) -> StepOutput:
+        last = batch.get("last_hidden_state")
+        if last is None:
+            raise UserError("MTP trains on the verifier's last hidden state, which the top-k extract layouts drop: "
+                            "extract with --layout full or fp8, or train --online")
+        out = ttt_step(
+            self.draft, input_ids=batch["input_ids"], aux_hidden_states=last, loss_mask=batch["loss_mask"],
+            last_hidden_state=last, target_head=self._head[0], position_ids=batch["position_ids"],
+            document_ids=batch.get("document_ids"), steps=self.steps, decay=self.beta, attention=self.attention,
+            chunk_size=self.chunk_size, checkpoint=self.checkpoint, loss_normalizer=loss_normalizer,
+        )
+        return StepOutput(loss=out.loss / self.norm, metrics=out.metrics)
+
+    def loss_counts(self, batch: dict[str, Any]) -> torch.Tensor:
+        """``[K]`` anchors with a target at each step (the loss normalizer's local part)."""
+        return step_counts(batch, self.steps)
+
+    def new_stats(self, device: torch.device) -> dict[str, torch.Tensor]:
+        return {key: torch.zeros(self.steps, dtype=torch.float64, device=device) for key in STAT_KEYS}
+
+    def summarize(self, stats: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """``loss`` (normalized weights, as trained), ``loss_steps``, ``acc``, ``cond_acc``, ``accept_len``."""
+        out = summarize(stats, self.beta)
+        out["loss"] = out["loss"] / self.norm
+        return out

@@ -1,0 +1,138 @@
+"""The ``verifier-mtp`` format: the fine-tuned MTP layer stitched back into a copy of the verifier's checkpoint,
+which is what ``vllm serve <folder> --speculative-config '{"method": "mtp", "num_speculative_tokens": N}'`` loads.
+
+* ``config.json``: the verifier's, with ``num_nextn_predict_layers`` covering the layer (vLLM resolves a
+  ``MiMoForCausalLM`` verifier's draft to ``MiMoMTPModel`` through it).
+* ``model.safetensors``: every tensor of the verifier, with ``model.mtp_layers.{k}.*`` replaced by the trained
+  layer (MiMo layout; vLLM maps ``self_attn``/``mlp``/norms onto its ``mtp_block``).
+* the verifier's other files (tokenizer, generation config) are copied beside them (``companions``).
+
+Reading goes the other way, so any MiMo-layout verifier folder is also an MTP draft: ``evaluate --draft <MiMo>``
+measures the verifier's original MTP layer and ``train --init-from <MiMo>`` starts from it.
+
+    tiny-speculators export runs/mtp-train --out runs/mimo-mtp      # then vllm serve runs/mimo-mtp ...
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiny_speculators.errors import UserError
+from tiny_speculators.models.eagle3.builder import rope_parameters_of
+from tiny_speculators.models.family import DraftFormat, ExportInfo
+from tiny_speculators.models.files import cast_state, require
+from tiny_speculators.models.mtp.model import BIASES, LAYER_TENSORS
+from tiny_speculators.models.mtp.weights import mtp_layout, verifier_folder
+
+ARCHITECTURE = "MiMoForCausalLM"
+SKIP = ("model.safetensors.index.json", "config.json", "README.md", "summary.json")
+
+__all__ = ["FORMAT", "draft_kwargs"]
+
+
+def draft_kwargs(cfg: Mapping[str, Any], where: str, mtp_index: int = 0) -> dict[str, Any]:
+    """``MTPDraft`` kwargs from a MiMo-style verifier config (a mapping or an HF config object)."""
+    get = cfg.get if isinstance(cfg, Mapping) else (lambda k, d=None: getattr(cfg, k, d))
+    fields = ["vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers"]
+    missing = [k for k in fields if get(k) is None]
+    if missing:
+        raise UserError(f"{where} is missing required field(s) {', '.join(missing)}")
+    hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+    qwen2 = str(get("model_type", "")) in ("qwen2", "mimo")
+    return dict(
+        vocab_size=int(get("vocab_size")), hidden_size=hidden, num_attention_heads=heads,
+        num_key_value_heads=int(get("num_key_value_heads") or heads), head_dim=int(get("head_dim") or hidden // heads),
+        intermediate_size=int(get("intermediate_size")), num_hidden_layers=int(get("num_hidden_layers")),
+        rms_norm_eps=float(get("rms_norm_eps", 1e-6)), rope_parameters=rope_parameters_of(cfg),
+        max_position_embeddings=int(get("max_position_embeddings", 4096)),
+        qkv_bias=qwen2 or bool(get("attention_bias", False)), mtp_index=mtp_index,
+    )
+
+
+def write(draft, info: ExportInfo) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    from tiny_speculators.models.files import read_json
+    from tiny_speculators.models.importing import read_weights
+
+    if info.speculative_tokens < 1:
+        raise UserError(f"speculative_tokens must be at least 1, got {info.speculative_tokens}")
+    folder = verifier_folder(info.verifier_name)
+    cfg = read_json(folder / "config.json")
+    if ARCHITECTURE not in (cfg.get("architectures") or []):
+        raise UserError(f"{folder}/config.json: vLLM serves MTP layers in the MiMo layout only for {ARCHITECTURE} "
+                        f"verifiers (architectures {cfg.get('architectures')})")
+    kwargs, index = draft.kwargs, int(draft.kwargs["mtp_index"])
+    found = mtp_layout(folder, int(kwargs["num_hidden_layers"]))
+    if found is not None and found[0] != "mimo":
+        raise UserError(f"{folder} holds {found[0]}-layout MTP layers; this draft is a MiMo-layout layer")
+    state = read_weights(folder)
+    shared = draft.state_dict()
+    for ours, theirs in (("embed_tokens.weight", "model.embed_tokens.weight"), ("lm_head.weight", "lm_head.weight")):
+        if theirs in state and not torch.equal(state[theirs].to(shared[ours].dtype).cpu(), shared[ours].cpu()):
+            raise UserError(f"{folder}: {theirs} differs from the draft's: the draft belongs to another verifier")
+    prefix = f"model.mtp_layers.{index}."
+    state = {k: v for k, v in state.items() if not k.startswith(prefix)}
+    state.update({prefix + k: v for k, v in draft.layer_state().items()})
+    cfg["num_nextn_predict_layers"] = max(int(cfg.get("num_nextn_predict_layers") or 0), index + 1)
+    cfg["torch_dtype"] = cfg["dtype"] = str(info.dtype).removeprefix("torch.")
+    return cfg, cast_state(state, info.dtype)
+
+
+def companions(verifier_name: str) -> list[Path]:
+    """The verifier's files copied beside the stitched checkpoint (tokenizer, generation config ...)."""
+    folder = verifier_folder(verifier_name)
+    return sorted(p for p in folder.iterdir()
+                  if p.is_file() and p.name not in SKIP and not p.name.endswith((".safetensors", ".bin")))
+
+
+def detect(cfg: Mapping[str, Any]) -> bool:
+    return ARCHITECTURE in (cfg.get("architectures") or []) and int(cfg.get("num_nextn_predict_layers") or 0) > 0
+
+
+def read(directory: Path, raw: Mapping[str, Any], tensors: dict[str, torch.Tensor]):
+    where = f"{Path(directory) / 'config.json'} ({ARCHITECTURE} with MTP layers)"
+    require(raw, ["num_nextn_predict_layers"], where)
+    kwargs = draft_kwargs(raw, where)
+    prefix = "model.mtp_layers.0."
+    names = LAYER_TENSORS + (BIASES if kwargs["qkv_bias"] else ())
+    missing = [prefix + n for n in names if prefix + n not in tensors]
+    if missing:
+        raise UserError(f"{directory} lacks MTP tensor(s) {', '.join(missing)}")
+    state = {n: tensors[prefix + n] for n in names}
+    embed = tensors.get("model.embed_tokens.weight")
+    if embed is None:
+        raise UserError(f"{directory} has no model.embed_tokens.weight")
+    state["embed_tokens.weight"] = embed
+    state["lm_head.weight"] = tensors.get("lm_head.weight", embed)
+    state["d2t"] = torch.zeros(kwargs["vocab_size"], dtype=torch.long)
+    state["t2d"] = torch.ones(kwargs["vocab_size"], dtype=torch.bool)
+    # the folder is a whole verifier (the same weights as the one the layer was trained on)
+    return kwargs, state, {"verifier": {"name_or_path": str(Path(directory).resolve()),
+                                        "architectures": list(raw.get("architectures") or [])}}
+
+
+def vllm_speculative_config(folder: str, k: int) -> dict[str, Any]:
+    return {"method": "mtp", "num_speculative_tokens": int(k)}
+
+
+def serve(verifier_name: str, folder: str, k: int) -> str:
+    return f"vllm serve {folder} --speculative-config '{json.dumps(vllm_speculative_config(folder, k))}'"
+
+
+def card(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    rows = [("MTP layer", f"model.mtp_layers.{kwargs['mtp_index']} (MiMo layout, qkv bias {kwargs['qkv_bias']})"),
+            ("hidden / intermediate", f"{kwargs['hidden_size']} / {kwargs['intermediate_size']}"),
+            ("attention heads / kv heads / head dim",
+             f"{kwargs['num_attention_heads']} / {kwargs['num_key_value_heads']} / {kwargs['head_dim']}"),
+            ("reads", f"the verifier's last hidden state (layer {kwargs['num_hidden_layers'] - 1} output, pre-norm)")]
+    return {"title": "Verifier with a fine-tuned MTP layer", "library": "vllm", "tags": ["mtp", "mimo"],
+            "about": "The verifier's checkpoint with its multi-token-prediction layer fine-tuned for speculative "
+                     "decoding,", "rows": rows}
+
+
+FORMAT = DraftFormat(name="verifier-mtp", write=write, detect=detect, read=read, serve=serve, card=card,
+                     vllm_speculative_config=vllm_speculative_config, companions=companions)

