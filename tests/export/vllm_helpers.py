@@ -94,8 +94,12 @@ def greedy_answers(model, prompts: list[list[int]], new_tokens: int, pad_id: int
 
 
 def train_draft(verifier_dir: Path, out: Path, *, steps: int = 60, new_tokens: int = 48, seed: int = 0,
-                algorithm: str = "eagle3", options: dict | None = None) -> Path:
+                algorithm: str = "eagle3", options: dict | None = None, aux_layer_ids: list[int] | None = None,
+                draft_vocab: bool = True, lr: float = 2e-3) -> Path:
     """Train a small draft for ``verifier_dir`` and save it with ``save_draft`` into ``out``.
+
+    ``aux_layer_ids`` (default ``AUX_LAYER_IDS``) are the verifier layers it reads; ``draft_vocab=False`` keeps
+    the verifier's full vocabulary (identity maps) instead of the data's tokens.
 
     Runs on one torch thread: on a busy 2-core machine two threads thrash (measured ~10x slower).
     """
@@ -103,13 +107,14 @@ def train_draft(verifier_dir: Path, out: Path, *, steps: int = 60, new_tokens: i
     torch.set_num_threads(1)
     try:
         return _train_draft(verifier_dir, out, steps=steps, new_tokens=new_tokens, seed=seed, algorithm=algorithm,
-                            options=options or {})
+                            options=options or {}, aux_layer_ids=list(aux_layer_ids or AUX_LAYER_IDS),
+                            small_vocab=draft_vocab, lr=lr)
     finally:
         torch.set_num_threads(threads)
 
 
 def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, seed: int, algorithm: str,
-                 options: dict) -> Path:
+                 options: dict, aux_layer_ids: list[int], small_vocab: bool, lr: float) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tiny_speculators.models.checkpoint import save_draft
@@ -136,17 +141,18 @@ def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, 
         attn[i, : len(s)] = 1
         mask[i, len(p): len(s)] = 1  # learn the answers
     with torch.no_grad():
-        aux, last = capture_hidden_states(model, ids, attn, AUX_LAYER_IDS, parts=parts)
+        aux, last = capture_hidden_states(model, ids, attn, aux_layer_ids, parts=parts)
 
     # Draft vocab: every token of the data plus the most common low ids, sorted (d2t/t2d contract).
     vocab = model.config.vocab_size
-    used = torch.unique(torch.cat([ids[attn.bool()], torch.arange(2048)]))
+    used = torch.unique(torch.cat([ids[attn.bool()], torch.arange(2048)])) if small_vocab else torch.arange(vocab)
     draft_vocab = int(used.numel())
     d2t = used - torch.arange(draft_vocab)
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[used] = True
     if algorithm != "eagle3":  # any other family through the family seam (its builder and objective)
-        return _train_family(model, parts, out, algorithm, options, ids, mask, aux, last, d2t, t2d, steps, seed)
+        return _train_family(model, parts, out, algorithm, options, ids, mask, aux, last, d2t, t2d, steps, seed,
+                             aux_layer_ids, lr)
     kwargs = draft_kwargs_from_verifier(model.config, draft_vocab)
     draft = build_draft(kwargs, d2t, t2d, embed_weight=parts.embed_tokens.weight.detach(),
                         lm_head_weight=parts.lm_head.weight.detach())
@@ -165,7 +171,7 @@ def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, 
         optimizer.step()
         if step % 25 == 0 or step == steps - 1:
             log.info("draft training step %d loss %.3f", step, float(result.loss.detach()))
-    meta = {"aux_layer_ids": AUX_LAYER_IDS,
+    meta = {"aux_layer_ids": aux_layer_ids,
             "verifier": {"name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
                          "architectures": list(model.config.architectures or []),
                          "hidden_size": model.config.hidden_size, "vocab_size": vocab},
@@ -175,7 +181,7 @@ def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, 
 
 
 def _train_family(model, parts, out: Path, algorithm: str, options: dict, ids, mask, aux, last, d2t, t2d,
-                  steps: int, seed: int) -> Path:
+                  steps: int, seed: int, aux_layer_ids: list[int], lr: float) -> Path:
     from tiny_speculators.models import get_family
     from tiny_speculators.models.checkpoint import save_draft
     from tiny_speculators.models.family import BuildInputs, options_record, parse_options
@@ -183,11 +189,11 @@ def _train_family(model, parts, out: Path, algorithm: str, options: dict, ids, m
 
     family = get_family(algorithm)
     opts = parse_options(family.options, options, algorithm)
-    inputs = BuildInputs(verifier_config=model.config, d2t=d2t, t2d=t2d, aux_layer_ids=AUX_LAYER_IDS,
+    inputs = BuildInputs(verifier_config=model.config, d2t=d2t, t2d=t2d, aux_layer_ids=aux_layer_ids,
                          embed_weight=parts.embed_tokens.weight.detach(), lm_head_weight=parts.lm_head.weight.detach())
     draft = family.build(inputs, opts)
     objective = family.objective(draft, TargetHead(parts.norm, parts.lm_head), opts, "sdpa").train()
-    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=2e-3, weight_decay=0.0)
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(seed)
     t = ids.shape[1]
     for step in range(steps):
