@@ -31,7 +31,7 @@ def check_config(draft: str, out: str) -> None:
     keep = ("model_type", "architectures", "draft_vocab_size", "target_hidden_size", "norm_before_residual",
             "norm_before_fc", "fc_norm", "norm_output", "eagle_aux_hidden_state_layer_ids", "hidden_size",
             "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "intermediate_size", "rms_norm_eps", "max_position_embeddings", "num_lookahead_tokens")
+            "intermediate_size", "rms_norm_eps", "max_position_embeddings", "num_lookahead_tokens", "dflash_config")
     result = {
         "speculative_config": spec,
         "pretrained_config_keys": sorted(pretrained),

@@ -96,10 +96,11 @@ def greedy_answers(model, prompts: list[list[int]], new_tokens: int, pad_id: int
 
 def train_draft(verifier_dir: Path, out: Path, *, steps: int = 60, new_tokens: int = 48, seed: int = 0,
                 algorithm: str = "eagle3", options: dict | None = None, verifier_name: str | None = None,
-                lr: float = 2e-3) -> Path:
+                lr: float = 2e-3, aux_layer_ids: list[int] | None = None, draft_vocab: bool = True) -> Path:
     """Train a small draft for ``verifier_dir`` and save it with ``save_draft`` into ``out`` (recording
     ``verifier_name``, default the embedded verifier's hub id). A family with ``fixed_aux_layer_ids`` reads its own
-    layers; the others ``AUX_LAYER_IDS``.
+    layers; the others ``aux_layer_ids`` (default ``AUX_LAYER_IDS``). ``draft_vocab=False`` keeps the verifier's
+    full vocabulary (identity maps) instead of the data's tokens.
 
     Runs on one torch thread: on a busy 2-core machine two threads thrash (measured ~10x slower).
     """
@@ -107,13 +108,14 @@ def train_draft(verifier_dir: Path, out: Path, *, steps: int = 60, new_tokens: i
     torch.set_num_threads(1)
     try:
         return _train_draft(verifier_dir, out, steps=steps, new_tokens=new_tokens, seed=seed, algorithm=algorithm,
-                            options=options or {}, verifier_name=verifier_name or SMOLLM2_ID, lr=lr)
+                            options=options or {}, verifier_name=verifier_name or SMOLLM2_ID, lr=lr,
+                            aux_layer_ids=list(aux_layer_ids or AUX_LAYER_IDS), small_vocab=draft_vocab)
     finally:
         torch.set_num_threads(threads)
 
 
 def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, seed: int, algorithm: str,
-                 options: dict, verifier_name: str, lr: float) -> Path:
+                 options: dict, verifier_name: str, lr: float, aux_layer_ids: list[int], small_vocab: bool) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tiny_speculators.models.checkpoint import save_draft
@@ -139,7 +141,7 @@ def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, 
         ids[i, : len(s)] = torch.tensor(s)
         attn[i, : len(s)] = 1
         mask[i, len(p): len(s)] = 1  # learn the answers
-    aux_ids = AUX_LAYER_IDS
+    aux_ids = aux_layer_ids
     if algorithm != "eagle3":
         from tiny_speculators.models import get_family
 
@@ -151,7 +153,7 @@ def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, 
 
     # Draft vocab: every token of the data plus the most common low ids, sorted (d2t/t2d contract).
     vocab = model.config.vocab_size
-    used = torch.unique(torch.cat([ids[attn.bool()], torch.arange(2048)]))
+    used = torch.unique(torch.cat([ids[attn.bool()], torch.arange(2048)])) if small_vocab else torch.arange(vocab)
     draft_vocab = int(used.numel())
     d2t = used - torch.arange(draft_vocab)
     t2d = torch.zeros(vocab, dtype=torch.bool)
@@ -177,7 +179,7 @@ def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, 
         optimizer.step()
         if step % 25 == 0 or step == steps - 1:
             log.info("draft training step %d loss %.3f", step, float(result.loss.detach()))
-    meta = {"aux_layer_ids": AUX_LAYER_IDS,
+    meta = {"aux_layer_ids": aux_ids,
             "verifier": {"name_or_path": verifier_name,
                          "architectures": list(model.config.architectures or []),
                          "hidden_size": model.config.hidden_size, "vocab_size": vocab},

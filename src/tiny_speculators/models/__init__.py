@@ -1,5 +1,5 @@
-"""Draft model families. Each algorithm is one sub-package (``eagle3/``, ``peagle/``, ``mtp/``) with its modules,
-builder, objective, proposer and formats; :data:`FAMILIES` is the one table the stages dispatch through
+"""Draft model families. Each algorithm is one sub-package (``eagle3/``, ``peagle/``, ``dflash/``, ``mtp/``) with
+its modules, builder, objective, proposer and formats; :data:`FAMILIES` is the one table the stages dispatch through
 (what a family provides: ``family.py``).
 
     from tiny_speculators.models import FAMILIES, get_family
@@ -13,6 +13,7 @@ from typing import Literal
 from torch import nn
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.models.dflash.family import FAMILY as DFLASH
 from tiny_speculators.models.eagle3.family import FAMILY as EAGLE3
 from tiny_speculators.models.family import DraftFamily
 from tiny_speculators.models.mtp.family import FAMILY as MTP
@@ -21,6 +22,7 @@ from tiny_speculators.models.peagle.family import FAMILY as PEAGLE
 FAMILIES: dict[str, DraftFamily] = {
     "eagle3": EAGLE3,
     "peagle": PEAGLE,
+    "dflash": DFLASH,
     "mtp": MTP,
 }
 

@@ -115,12 +115,23 @@ def _embeddings(verifier: str | None, directory: Path) -> torch.Tensor:
                         f"could not be read ({e}); pass a local copy of the verifier") from None
 
 
+def _lm_head(verifier: str | None, directory: Path) -> torch.Tensor:
+    from tiny_speculators.verifier.head import load_verifier_head
+
+    if not verifier:
+        raise UserError(f"{directory} holds no lm_head.weight (the draft shares its verifier's): pass the verifier")
+    return load_verifier_head(verifier).target_head.lm_head.weight.detach().float().clone()
+
+
 def _complete_state(kwargs: dict[str, Any], state: dict[str, torch.Tensor], directory: Path,
                     verifier: str | None) -> dict[str, torch.Tensor]:
-    """Shared embeddings from the verifier, and identity / derived vocab maps, where the files hold none."""
+    """Shared embeddings (and a shared full-vocab lm_head) from the verifier, and identity / derived vocab maps,
+    where the files hold none."""
     vocab, draft_vocab = kwargs["vocab_size"], kwargs.get("draft_vocab_size", kwargs["vocab_size"])
     if "embed_tokens.weight" not in state:
         state["embed_tokens.weight"] = _embeddings(verifier, directory)
+    if "lm_head.weight" not in state and draft_vocab == vocab:  # a format that shares the verifier's full head
+        state["lm_head.weight"] = _lm_head(verifier, directory)
     if "d2t" not in state and "t2d" not in state:
         if draft_vocab != vocab:
             raise UserError(f"{directory} has a draft vocab of {draft_vocab} tokens (verifier: {vocab}) but no "

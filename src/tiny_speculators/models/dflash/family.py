@@ -1,0 +1,124 @@
+"""DFlash (block diffusion, arXiv 2602.06036) as a draft family: its options, builder and table entry.
+
+    train: {algorithm: dflash, dflash: {block_size: 8, num_layers: 2}}       # YAML
+    tiny-speculators train ... --algorithm dflash --dflash-block-size 8 --dflash-loss-weighting dpace
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from tiny_speculators.errors import UserError
+from tiny_speculators.models.dflash import speculators
+from tiny_speculators.models.dflash.model import DFlashDraft
+from tiny_speculators.models.dflash.objective import DFlashObjective, default_gamma
+from tiny_speculators.models.dflash.proposer import DFlashProposer
+from tiny_speculators.models.eagle3.builder import draft_kwargs_from_verifier
+from tiny_speculators.models.family import BuildInputs, DraftFamily
+from tiny_speculators.models.importing import check_vocab_maps
+
+
+@dataclass(frozen=True)
+class DFlashOptions:
+    """DFlash's own training options.
+
+    Args:
+        block_size: slots per block (the anchor + block_size-1 mask slots); the export serves block_size-1
+            speculative tokens.
+        num_layers: draft decoder layers (each gets the injected verifier context).
+        anchors: random anchors (blocks) per document and training sample.
+        gamma: slot k's loss weight is exp(-(k-1)/gamma); default: the paper's 4/5/7 for blocks 8/10/16.
+        loss_weighting: exp (the paper's decay) or dpace (D-PACE: weights from the draft's own confidence).
+        dpace_alpha: D-PACE's confidence smoothing.
+        mask_token_id: token fed at the mask slots (its embedding is the verifier's); default: the verifier's pad
+            token, else its eos token, else 0.
+        causal: causal attention inside the block instead of DFlash's bidirectional one.
+    """
+
+    block_size: int = 8
+    num_layers: int = 2
+    anchors: int = 64
+    gamma: float | None = None
+    loss_weighting: Literal["exp", "dpace"] = "exp"
+    dpace_alpha: float = 0.5
+    mask_token_id: int | None = None
+    causal: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be at least 2, got {self.block_size}")
+        if self.num_layers < 1 or self.anchors < 1:
+            raise ValueError(f"num_layers and anchors must be at least 1, got {self.num_layers}, {self.anchors}")
+        if self.gamma is not None and self.gamma <= 0:
+            raise ValueError(f"gamma must be positive, got {self.gamma}")
+        if not 0 <= self.dpace_alpha <= 1:
+            raise ValueError(f"dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """Five verifier layers spread over the depth, as DFlash's reference drafts use (Qwen3-8B, 36 layers:
+    [2, 10, 18, 26, 34]): the outputs of layers round(1 + i (N-4) / 4), i = 0..4, as aux ids (input of layer + 1)."""
+    if num_layers < 6:
+        raise UserError(f"a verifier with {num_layers} layers is too shallow for DFlash's 5 default aux layers; "
+                        "give --aux-layer-ids explicitly")
+    return [round(1 + i * (num_layers - 4) / 4) + 1 for i in range(5)]
+
+
+def _mask_token(options: DFlashOptions, verifier_config) -> int:
+    if options.mask_token_id is not None:
+        return options.mask_token_id
+    for key in ("pad_token_id", "eos_token_id"):
+        value = getattr(verifier_config, key, None)
+        value = value[0] if isinstance(value, list) and value else value
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def build(inputs: BuildInputs, options: DFlashOptions) -> DFlashDraft:
+    cfg = inputs.verifier_config
+    base = draft_kwargs_from_verifier(cfg, int(inputs.d2t.shape[0]), num_aux=len(inputs.aux_layer_ids),
+                                      aux_layer_ids=list(inputs.aux_layer_ids))
+    keep = ("vocab_size", "hidden_size", "target_hidden_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "intermediate_size", "draft_vocab_size", "num_aux", "rms_norm_eps", "rope_parameters",
+            "max_position_embeddings", "attention_bias", "hidden_act", "aux_layer_ids")
+    draft = DFlashDraft(**{k: base[k] for k in keep}, num_layers=options.num_layers, block_size=options.block_size,
+                        mask_token_id=_mask_token(options, cfg), causal=options.causal)
+    target_ids = check_vocab_maps(inputs.d2t, inputs.t2d, draft.draft_vocab_size, draft.embed_tokens.num_embeddings)
+    if inputs.embed_weight is None or inputs.lm_head_weight is None:
+        raise UserError("DFlash uses the verifier's embeddings and lm_head (frozen): train with --init-lm-head")
+    if inputs.embed_weight.shape != draft.embed_tokens.weight.shape:
+        raise UserError(f"verifier embeddings have shape {tuple(inputs.embed_weight.shape)}, the draft needs "
+                        f"{tuple(draft.embed_tokens.weight.shape)}")
+    with torch.no_grad():
+        draft.d2t.copy_(inputs.d2t.long())
+        draft.t2d.copy_(inputs.t2d.bool())
+        draft.embed_tokens.weight.copy_(inputs.embed_weight)
+        draft.lm_head.weight.copy_(inputs.lm_head_weight[target_ids.to(inputs.lm_head_weight.device)])
+    return draft
+
+
+def objective(draft: nn.Module, target_head: nn.Module, options: DFlashOptions, attention: str) -> DFlashObjective:
+    if attention != "sdpa":
+        raise UserError("DFlash trains with --attention sdpa (its block attention is explicit)")
+    gamma = options.gamma if options.gamma is not None else default_gamma(draft.block_size)
+    return DFlashObjective(draft, target_head, anchors=options.anchors, weighting=options.loss_weighting,
+                           gamma=gamma, dpace_alpha=options.dpace_alpha)
+
+
+FAMILY = DraftFamily(
+    name="dflash",
+    summary="DFlash: block diffusion drafter, verifier context injected as keys/values, a block of tokens per forward",
+    model=DFlashDraft,
+    options=DFlashOptions,
+    build=build,
+    default_aux_layer_ids=default_aux_layer_ids,
+    objective=objective,
+    proposer=DFlashProposer,
+    formats=(speculators.FORMAT,),
+    speculative_tokens=lambda options: options.block_size - 1,
+)

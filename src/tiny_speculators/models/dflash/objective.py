@@ -1,0 +1,265 @@
+"""DFlash's training objective: random anchors per sample, one block per anchor, cross-entropy to the verifier's
+token at every mask slot, in the attention pattern vLLM serves (``model.py``).
+
+Coordinates: the block of anchor ``a`` holds token ``x_a`` at slot 0 (position ``pos[a]``) and ``mask_token_id``
+at slots ``k = 1..L-1`` (positions ``pos[a] + k``); slot ``k`` predicts ``x_{a+k}``, whose target is the
+verifier's argmax at row ``a + k - 1``. It counts where ``loss_mask[a + k]`` and ``a + k`` is in ``a``'s row and
+document. Its context is the verifier's states at positions ``< a`` of the same document.
+
+Anchors (training): per document, up to ``anchors`` positions with ``loss_mask[a]`` and a target at slot 1,
+drawn without replacement with torch's global RNG (checkpointed, so resume is exact) in
+:meth:`DFlashObjective.loss_counts`, which stores them in the batch for ``forward``. Validation (``eval()``)
+uses every such position.
+
+Loss: ``sum(w * CE) / count`` over all valid slots of the optimizer step, with ``w_k = exp(-(k-1)/gamma)``
+(the paper's decay) or D-PACE weights (``w_k = sum_{j>=k} prod_{i<=j} ((1-alpha) q_i + alpha)`` over the
+block's valid slots, ``q_i = exp(-CE_i)``, no gradient through the weights). Metrics per slot ``k``: CE sums,
+accuracy, and the conditional accuracy (all earlier slots of the block right) that gives the expected
+acceptance length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint as grad_checkpoint
+
+from tiny_speculators.models.dflash.model import DFlashDraft
+from tiny_speculators.models.eagle3.loss import DenseTargets, TopKTargets
+from tiny_speculators.models.eagle3.ttt import positions_from_documents
+from tiny_speculators.models.family import StepOutput
+
+KEEP = "_dflash_anchors"  # batch key: (anchors [B, N], valid [B, N]) set by loss_counts
+METRIC_KEYS = ("loss_sum", "wloss_sum", "count", "correct", "cond_correct", "cond_count")
+
+__all__ = ["DFlashObjective", "block_inputs", "candidate_anchors", "sample_anchors", "slot_weights"]
+
+
+def _documents(batch: Mapping[str, Any]) -> torch.Tensor:
+    ids = batch["input_ids"]
+    doc = batch.get("document_ids")
+    return doc if doc is not None else torch.zeros_like(ids)
+
+
+def slot_targets_valid(loss_mask: torch.Tensor, doc: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[B, T, L]`` bool: slot ``k`` of an anchor at ``a`` has a target (``loss_mask[a+k]``, same row/document);
+    slot 0 never does."""
+    b, t = loss_mask.shape
+    out = torch.zeros(b, t, block_size, dtype=torch.bool, device=loss_mask.device)
+    mask = loss_mask.bool()
+    for k in range(1, block_size):
+        if k < t:
+            out[:, : t - k, k] = mask[:, k:] & (doc[:, k:] == doc[:, : t - k])
+    return out
+
+
+def candidate_anchors(loss_mask: torch.Tensor, doc: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[B, T]`` bool: positions that may anchor a block (``loss_mask[a]`` and slot 1 has a target)."""
+    return loss_mask.bool() & slot_targets_valid(loss_mask, doc, block_size)[:, :, 1]
+
+
+def sample_anchors(candidates: torch.Tensor, doc: torch.Tensor, per_document: int | None,
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to ``per_document`` candidates per document (all when None), sorted: ``(anchors [B, N], valid [B, N])``."""
+    rows = []
+    for r in range(candidates.shape[0]):
+        picked = []
+        cand = torch.nonzero(candidates[r]).flatten().cpu()
+        if cand.numel():
+            docs = doc[r, cand.to(doc.device)].cpu()
+            for d in torch.unique(docs):
+                pool = cand[docs == d]
+                if per_document is not None and pool.numel() > per_document:
+                    pool = pool[torch.randperm(pool.numel(), generator=generator)[:per_document]]
+                picked.append(pool)
+        rows.append(torch.cat(picked).sort().values if picked else torch.zeros(0, dtype=torch.long))
+    n = max(1, max(r.numel() for r in rows))
+    anchors = torch.zeros(len(rows), n, dtype=torch.long)
+    valid = torch.zeros(len(rows), n, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        anchors[i, : r.numel()], valid[i, : r.numel()] = r, True
+    return anchors.to(candidates.device), valid.to(candidates.device)
+
+
+def block_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, doc: torch.Tensor, anchors: torch.Tensor,
+                 block_size: int, mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Blocks of ``anchors [B, N]``: ids and positions ``[B, N*L]`` and the context mask ``[B, N*L, T]``."""
+    b, n = anchors.shape
+    t = input_ids.shape[1]
+    ids = torch.full((b, n, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    ids[:, :, 0] = input_ids.gather(1, anchors)
+    offsets = torch.arange(block_size, device=anchors.device)
+    pos = position_ids.gather(1, anchors)[:, :, None] + offsets  # (B, N, L)
+    keys = torch.arange(t, device=anchors.device)
+    ctx = (keys[None, None, :] < anchors[:, :, None]) & (doc[:, None, :] == doc.gather(1, anchors)[:, :, None])
+    ctx = ctx[:, :, None, :].expand(b, n, block_size, t)  # (B, N, L, T)
+    return ids.reshape(b, n * block_size), pos.reshape(b, n * block_size), ctx.reshape(b, n * block_size, t)
+
+
+def slot_weights(ce: torch.Tensor, valid: torch.Tensor, weighting: str, gamma: float, alpha: float) -> torch.Tensor:
+    """Loss weights ``[M, L]`` of blocks with slot losses ``ce [M, L]`` (valid slots ``valid [M, L]``)."""
+    k = torch.arange(ce.shape[1], device=ce.device, dtype=torch.float32)
+    if weighting == "exp":
+        w = torch.exp(-(k - 1).clamp(min=0) / gamma).expand_as(ce)
+        return w * valid
+    with torch.no_grad():  # D-PACE
+        m = valid.float()
+        smooth = torch.where(valid, (1 - alpha) * torch.exp(-ce.detach().float()) + alpha, torch.ones_like(m))
+        prefix = torch.cumprod(smooth, dim=1)
+        return torch.flip(torch.cumsum(torch.flip(prefix * m, [1]), 1), [1]) * m
+
+
+def _block_ce(draft: DFlashDraft, hidden: torch.Tensor, target_draft_ids: torch.Tensor):
+    """Per-row CE to ``target_draft_ids`` (-1: not in the draft vocab -> 0, counted wrong) and the draft argmax."""
+    logits = draft.compute_logits(hidden).float()  # (n, Vd)
+    ce = F.cross_entropy(logits, target_draft_ids.clamp(min=0), reduction="none")
+    return ce * (target_draft_ids >= 0), logits.argmax(dim=-1)
+
+
+class DFlashObjective(nn.Module):
+    """``forward(batch, loss_normalizer) -> StepOutput`` for a :class:`DFlashDraft` (the only registered submodule).
+
+    Loss groups are the ``L - 1`` mask slots; ``loss_counts`` gives their valid counts.
+    """
+
+    def __init__(self, draft: DFlashDraft, target_head: nn.Module, *, anchors: int, weighting: str, gamma: float,
+                 dpace_alpha: float = 0.5, chunk_size: int = 1024, anchor_chunk: int = 256,
+                 checkpoint: bool = True) -> None:
+        super().__init__()
+        self.draft = draft
+        self._head = (target_head,)  # hidden from parameters()/state_dict()/DDP broadcast
+        self.block_size, self.anchors, self.weighting = draft.block_size, anchors, weighting
+        self.gamma, self.dpace_alpha = gamma, dpace_alpha
+        self.chunk_size, self.anchor_chunk, self.checkpoint = chunk_size, anchor_chunk, checkpoint
+
+    def _anchors(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        if KEEP in batch:
+            return batch[KEEP]
+        doc = _documents(batch)
+        cand = candidate_anchors(batch["loss_mask"], doc, self.block_size)
+        out = sample_anchors(cand, doc, self.anchors if self.training else None)
+        if self.training:
+            batch[KEEP] = out
+        return out
+
+    def _slot_valid(self, batch: dict[str, Any], anchors: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+        v = slot_targets_valid(batch["loss_mask"], _documents(batch), self.block_size)  # (B, T, L)
+        return v.gather(1, anchors[:, :, None].expand(-1, -1, self.block_size)) & ok[:, :, None]  # (B, N, L)
+
+    def loss_counts(self, batch: dict[str, Any]) -> torch.Tensor:
+        """``[L-1]`` valid mask slots per slot index (samples the anchors for the coming forward)."""
+        anchors, ok = self._anchors(batch)
+        return self._slot_valid(batch, anchors, ok).sum(dim=(0, 1))[1:]
+
+    def _targets(self, batch: dict[str, Any], rows: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab id of the verifier's argmax (full vocab) at flat ``rows``; -1 outside the draft vocab."""
+        b, t = batch["input_ids"].shape
+        if "target_topk_ids" in batch:
+            source = TopKTargets(batch["target_topk_ids"].reshape(b * t, -1),
+                                 batch["target_topk_logits"].reshape(b * t, -1), vocab_size=self.draft.t2d.numel())
+        else:
+            source = DenseTargets(batch["last_hidden_state"].reshape(b * t, -1), self._head[0])
+        draft = self.draft
+        cols = torch.arange(draft.draft_vocab_size, device=rows.device) + draft.d2t  # target id per draft id
+        index = torch.full((draft.t2d.numel(),), -1, dtype=torch.long, device=rows.device)
+        index[cols] = torch.arange(draft.draft_vocab_size, device=rows.device)
+        needed = torch.zeros(b * t, dtype=torch.bool, device=rows.device)
+        needed[rows] = True
+        full = torch.zeros(b * t, dtype=torch.long, device=rows.device)
+        with torch.no_grad():
+            for start in range(0, b * t, self.chunk_size):  # only the chunks holding a needed row
+                stop = min(start + self.chunk_size, b * t)
+                if needed[start:stop].any():
+                    full[start:stop] = source.chunk(start, stop, cols)[0]  # argmax over the full vocab
+        out = index[full[rows]]
+        return out
+
+    def forward(self, batch: dict[str, Any], loss_normalizer: torch.Tensor | None = None) -> StepOutput:
+        ids = batch["input_ids"]
+        b, t = ids.shape
+        doc = _documents(batch)
+        pos = batch.get("position_ids")
+        if pos is None:
+            pos = positions_from_documents(doc) if batch.get("document_ids") is not None else \
+                torch.arange(t, device=ids.device).expand(b, t)
+        anchors, ok = self._anchors(batch)
+        valid = self._slot_valid(batch, anchors, ok)  # (B, N, L)
+        size = self.block_size
+        context = self.draft.context(batch["aux_hidden_states"], pos)
+        hidden = []
+        for s in range(0, anchors.shape[1], self.anchor_chunk):  # bounded attention memory
+            a = anchors[:, s:s + self.anchor_chunk]
+            q_ids, q_pos, ctx_mask = block_inputs(ids, pos, doc, a, size, self.draft.mask_token_id)
+            h = self.draft(q_ids, q_pos, context, ctx_mask, block_size=size)  # (B, n*L, H)
+            hidden.append(h.view(b, a.shape[1], size, -1))
+        hidden = torch.cat(hidden, dim=1)  # (B, N, L, H)
+        sel = torch.nonzero(valid, as_tuple=True)
+        rows = sel[0] * t + anchors[sel[0], sel[1]] + sel[2] - 1  # verifier row predicting x_{a+k}
+        target = self._targets(batch, rows)
+        h = hidden[sel]  # (M, H)
+        ce_parts, pred_parts = [], []
+        for start in range(0, h.shape[0], self.chunk_size):
+            args = (self.draft, h[start:start + self.chunk_size], target[start:start + self.chunk_size])
+            if self.checkpoint and torch.is_grad_enabled():
+                ce, pred = grad_checkpoint(_block_ce, *args, use_reentrant=False)
+            else:
+                ce, pred = _block_ce(*args)
+            ce_parts.append(ce)
+            pred_parts.append(pred)
+        ce_flat = torch.cat(ce_parts) if ce_parts else h.new_zeros(0)
+        pred_flat = torch.cat(pred_parts) if pred_parts else target.new_zeros(0)
+        ce = hidden.new_zeros(valid.shape, dtype=torch.float32).index_put(sel, ce_flat)  # (B, N, L)
+        correct = torch.zeros_like(valid).index_put(sel, (pred_flat == target) & (target >= 0))
+        weights = slot_weights(ce.view(-1, size), valid.view(-1, size), self.weighting, self.gamma,
+                               self.dpace_alpha).view_as(ce)
+        wloss = (weights * ce).sum(dim=(0, 1))[1:]  # (L-1,)
+        counts = valid.sum(dim=(0, 1))[1:]
+        denom = loss_normalizer.to(ids.device).float().sum() if loss_normalizer is not None else counts.sum().float()
+        loss = wloss.sum() / denom.clamp(min=1)
+        if not ce_flat.requires_grad and torch.is_grad_enabled():  # no valid slot: keep every parameter in the graph
+            loss = loss + 0.0 * (self.draft.compute_logits(hidden[:, :1, 0]).float().sum()
+                                 + sum(kv[0].sum() + kv[1].sum() for kv in context))
+        chain = torch.cumprod((correct | ~valid).int(), dim=2).bool()  # all slots up to k right (or not counted)
+        before = torch.cat([torch.ones_like(chain[..., :1]), chain[..., :-1]], dim=2)  # all slots < k right
+        cond_count = (valid & before).sum(dim=(0, 1))[1:]
+        cond_correct = (valid & before & correct).sum(dim=(0, 1))[1:]
+        metrics = {"loss_sum": ce.detach().sum(dim=(0, 1))[1:], "wloss_sum": wloss.detach(), "count": counts,
+                   "correct": correct.sum(dim=(0, 1))[1:], "cond_correct": cond_correct, "cond_count": cond_count}
+        return StepOutput(loss=loss, metrics=metrics)
+
+    def new_stats(self, device: torch.device) -> dict[str, torch.Tensor]:
+        return {key: torch.zeros(self.block_size - 1, dtype=torch.float64, device=device) for key in METRIC_KEYS}
+
+    def summarize(self, stats: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        return summarize(stats)
+
+
+def summarize(stats: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Summed metrics -> ``loss`` (weighted CE per valid slot), per-slot ``loss_steps``/``acc``/``cond_acc``,
+    ``accept_len`` = 1 + sum_k prod_{j<=k} cond_acc_j, ``positions`` (valid slot-1 predictions)."""
+    m = {k: stats[k].detach().double().cpu() for k in METRIC_KEYS}
+    count = m["count"]
+    total = float(count.sum())
+    per = [float(m["loss_sum"][k]) / float(count[k]) if count[k] else 0.0 for k in range(count.numel())]
+    acc = [float(m["correct"][k]) / float(count[k]) if count[k] else 0.0 for k in range(count.numel())]
+    cond = [float(m["cond_correct"][k]) / float(m["cond_count"][k]) if m["cond_count"][k] else 0.0
+            for k in range(count.numel())]
+    accept, run = 1.0, 1.0
+    for c in cond:
+        run *= c
+        accept += run
+    return {"loss": float(m["wloss_sum"].sum()) / total if total else 0.0, "loss_steps": per, "acc": acc,
+            "cond_acc": cond, "accept_len": accept, "positions": float(count[0]) if count.numel() else 0.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """The paper's decay: gamma 7 / 5 / 4 for blocks of 16 / 10 / 8, interpolated (and held) elsewhere."""
+    if block_size <= 8:
+        return 4.0
+    if block_size <= 10:
+        return 4.0 + (block_size - 8) / 2
+    return min(7.0, 5.0 + (block_size - 10) / 3)

@@ -1,0 +1,331 @@
+"""DFlash: the forward pinned to vLLM's equations (KV injection, block mask, positions) by a float64 reference
+and fixed numbers, training attention == inference attention, anchors and loss weights, the one-forward block
+proposer, and importing a speculators-written checkpoint."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from draft_fixtures import DRAFT_VOCAB, VOCAB, fixed_init, tiny_kwargs
+
+from tiny_speculators.errors import UserError
+from tiny_speculators.models.dflash.family import default_aux_layer_ids
+from tiny_speculators.models.dflash.model import DFlashDraft
+from tiny_speculators.models.dflash.objective import (
+    DFlashObjective,
+    block_inputs,
+    candidate_anchors,
+    sample_anchors,
+    slot_weights,
+)
+
+MASK, AUX = 3, 5  # mask token id; verifier layers fused (tiny H = 16, so aux states are 80 wide)
+WIDTH = AUX * 16
+
+
+def tiny_dflash(num_layers: int = 2, block_size: int = 4, causal: bool = False, **kw) -> DFlashDraft:
+    return fixed_init(DFlashDraft(**tiny_kwargs(num_aux=AUX, **kw), num_layers=num_layers, block_size=block_size,
+                                  mask_token_id=MASK, causal=causal))
+
+
+def _rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x, pos, theta=10000.0):  # x [T, heads, D], neox rotate-half
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = pos[:, None].double() * inv  # (T, D/2)
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def reference_forward(draft: DFlashDraft, aux, ctx_pos, block_ids, block_pos):
+    """vLLM 0.32's DFlash forward for one request, float64, plain loops (qwen3_dflash.py):
+    ``precompute_and_store_context_kv`` writes k_norm(k_proj(hidden_norm(fc(aux)))) + RoPE and v_proj(...) at the
+    context positions into every layer's cache; the query block [bonus, mask...] runs Qwen3 layers whose
+    attention sees the whole context and the whole block (or the block up to itself when causal)."""
+    sd = {k: v.double() for k, v in draft.state_dict().items()}
+    kw = draft.kwargs
+    nh, nkv, hd = kw["num_attention_heads"], kw["num_key_value_heads"], kw["head_dim"]
+    t, n = aux.shape[0], block_ids.shape[0]
+    c = _rms(aux.double() @ sd["fc.weight"].T, sd["hidden_norm.weight"])  # (T, H)
+    x = sd["embed_tokens.weight"][block_ids]  # (n, H)
+    for i in range(kw["num_layers"]):
+        p = f"layers.{i}."
+
+        def proj(name, v, heads, p=p):
+            return (v @ sd[f"{p}self_attn.{name}.weight"].T).view(v.shape[0], heads, hd)
+
+        k_ctx = _rope(_rms(proj("k_proj", c, nkv), sd[f"{p}self_attn.k_norm.weight"]), ctx_pos)
+        v_ctx = proj("v_proj", c, nkv)
+        xn = _rms(x, sd[f"{p}input_layernorm.weight"])
+        q = _rope(_rms(proj("q_proj", xn, nh), sd[f"{p}self_attn.q_norm.weight"]), block_pos)
+        k_blk = _rope(_rms(proj("k_proj", xn, nkv), sd[f"{p}self_attn.k_norm.weight"]), block_pos)
+        v_blk = proj("v_proj", xn, nkv)
+        out = torch.zeros(n, nh, hd, dtype=torch.float64)
+        for head in range(nh):
+            g = head // (nh // nkv)
+            for s in range(n):
+                seen = range(s + 1) if kw["causal"] else range(n)
+                keys = [k_ctx[j, g] for j in range(t)] + [k_blk[j, g] for j in seen]
+                vals = [v_ctx[j, g] for j in range(t)] + [v_blk[j, g] for j in seen]
+                scores = torch.stack([q[s, head] @ key for key in keys]) / math.sqrt(hd)
+                out[s, head] = torch.softmax(scores, 0) @ torch.stack(vals)
+        x = x + out.reshape(n, nh * hd) @ sd[f"{p}self_attn.o_proj.weight"].T
+        h = _rms(x, sd[f"{p}post_attention_layernorm.weight"])
+        gate, up = h @ sd[f"{p}mlp.gate_proj.weight"].T, h @ sd[f"{p}mlp.up_proj.weight"].T
+        x = x + (torch.nn.functional.silu(gate) * up) @ sd[f"{p}mlp.down_proj.weight"].T
+    return _rms(x, sd["norm.weight"]) @ sd["lm_head.weight"].T  # (n, Vd)
+
+
+def _ours(draft, aux, ctx_pos, block_ids, block_pos):
+    ctx = draft.context(aux[None], ctx_pos[None])
+    out = draft(block_ids[None], block_pos[None], ctx, None, block_size=block_ids.numel())
+    return draft.compute_logits(out)[0]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_matches_vllm_equations(causal):
+    draft = tiny_dflash(num_layers=3, block_size=5, causal=causal)
+    g = torch.Generator().manual_seed(0)
+    aux = torch.randn(7, WIDTH, generator=g)
+    block = torch.tensor([11, MASK, MASK, MASK, MASK])
+    ctx_pos, block_pos = torch.arange(7), torch.arange(7, 12)
+    with torch.no_grad():
+        ours = _ours(draft, aux, ctx_pos, block, block_pos)
+        ref = reference_forward(draft, aux, ctx_pos, block, block_pos)
+    torch.testing.assert_close(ours.double(), ref, atol=1e-5, rtol=1e-5)
+    # negative controls: the block's mask and the positions matter
+    with torch.no_grad():
+        other = fixed_init(DFlashDraft(**{**draft.kwargs, "causal": not causal}))
+        shifted = _ours(draft, aux, ctx_pos, block, block_pos + 1)
+    assert (_ours(other, aux, ctx_pos, block, block_pos) - ours).abs().max() > 1e-3
+    assert (shifted - ours).abs().max() > 1e-3
+
+
+def test_forward_fixed_numbers():
+    """Fixed-init draft, fixed inputs: pinned output (catches silent changes to the computation)."""
+    draft = tiny_dflash(num_layers=2, block_size=4)
+    aux = torch.sin(torch.arange(5 * WIDTH, dtype=torch.float32) * 0.37).view(5, WIDTH)
+    with torch.no_grad():
+        logits = _ours(draft, aux, torch.arange(5), torch.tensor([9, MASK, MASK, MASK]), torch.arange(5, 9))
+    assert logits.shape == (4, DRAFT_VOCAB)
+    torch.testing.assert_close(logits[:, :3], torch.tensor(EXPECTED), atol=1e-4, rtol=0)
+
+
+# pinned on CPU fp32 after test_forward_matches_vllm_equations agreed with the float64 reference
+EXPECTED = [[0.859, -0.4205, -0.0648], [-0.5863, 0.0312, 0.5273], [-0.5902, 0.0362, 0.5218],
+            [-0.5785, 0.0214, 0.5382]]
+
+
+def _batch(b=2, t=16, seed=0, packed=False):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (b, t), generator=g)
+    aux = torch.randn(b, t, WIDTH, generator=g)
+    mask = torch.ones(b, t)
+    mask[:, :3] = 0
+    doc = None
+    if packed:
+        doc = torch.zeros(b, t, dtype=torch.long)
+        doc[:, 7:] = 1
+        mask[:, 7:9] = 0
+    return ids, aux, mask, doc
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_training_attention_equals_inference(packed):
+    """Each training block (anchor a) equals the inference forward of vLLM's DFlash proposer with the context
+    = the verified positions of a's document before a, and the block [x_a, mask...] at a's positions."""
+    from tiny_speculators.models.eagle3.ttt import positions_from_documents
+
+    draft = tiny_dflash(num_layers=2, block_size=4)
+    ids, aux, mask, doc = _batch(packed=packed)
+    b, t = ids.shape
+    docs = doc if doc is not None else torch.zeros_like(ids)
+    pos = positions_from_documents(doc) if doc is not None else torch.arange(t).expand(b, t)
+    anchors, ok = sample_anchors(candidate_anchors(mask, docs, 4), docs, None)
+    with torch.no_grad():
+        q_ids, q_pos, ctx_mask = block_inputs(ids, pos, docs, anchors, 4, MASK)
+        hidden = draft(q_ids, q_pos, draft.context(aux, pos), ctx_mask, block_size=4)
+        hidden = hidden.view(b, anchors.shape[1], 4, -1)
+        checked = 0
+        for r in range(b):
+            for j, a in enumerate(anchors[r].tolist()):
+                if not ok[r, j]:
+                    continue
+                start = int((docs[r] == docs[r, a]).nonzero()[0])
+                block = torch.tensor([int(ids[r, a]), MASK, MASK, MASK])
+                p0 = int(pos[r, a])
+                ctx = draft.context(aux[r, start:a][None], pos[r, start:a][None])
+                want = draft(block[None], torch.arange(p0, p0 + 4)[None], ctx, None, block_size=4)[0]
+                torch.testing.assert_close(hidden[r, j], want, atol=1e-5, rtol=1e-5, msg=f"row {r} anchor {a}")
+                checked += 1
+    assert checked > 15
+
+
+def test_anchors_are_sampled_per_document_in_training_and_all_in_eval():
+    draft = tiny_dflash(num_layers=1, block_size=4)
+    head = torch.nn.Linear(16, VOCAB, bias=False)
+    obj = DFlashObjective(draft, head, anchors=3, weighting="exp", gamma=4.0)
+    ids, aux, mask, doc = _batch(t=30, packed=True)
+    batch = {"input_ids": ids, "aux_hidden_states": aux, "loss_mask": mask, "document_ids": doc,
+             "last_hidden_state": torch.randn(2, 30, 16)}
+    torch.manual_seed(0)
+    counts = obj.loss_counts(batch)
+    anchors, ok = batch["_dflash_anchors"]
+    assert counts.shape == (3,) and int(ok.sum()) == 2 * 2 * 3  # 3 per document, 2 documents, 2 rows
+    assert bool(mask.gather(1, anchors)[ok].all())
+    out = obj(batch, counts.float())
+    assert torch.equal(out.metrics["count"], counts)
+    out.loss.backward()
+    assert draft.fc.weight.grad.abs().sum() > 0 and draft.lm_head.weight.grad is None  # lm_head: verifier's, frozen
+    obj.eval()
+    full = obj({k: v for k, v in batch.items() if not k.startswith("_")})
+    assert bool((full.metrics["count"] >= counts).all()) and full.metrics["count"][0] > counts[0]
+
+
+def test_loss_is_decayed_ce_per_valid_slot():
+    """loss = sum_k exp(-(k-1)/gamma) CE_k / #valid slots, CE to the verifier's argmax (exact recomputation)."""
+    draft = tiny_dflash(num_layers=1, block_size=4)
+    head = torch.nn.Linear(16, VOCAB, bias=False)
+    obj = DFlashObjective(draft, head, anchors=100, weighting="exp", gamma=2.0).eval()
+    ids, aux, mask, _ = _batch(b=1, t=10)
+    last = torch.randn(1, 10, 16)
+    batch = {"input_ids": ids, "aux_hidden_states": aux, "loss_mask": mask, "last_hidden_state": last}
+    with torch.no_grad():
+        out = obj(batch)
+        target = head(last[0]).argmax(-1)  # verifier's token for row r = x_{r+1}
+        index = torch.full((VOCAB,), -1)
+        index[torch.arange(DRAFT_VOCAB) + draft.d2t] = torch.arange(DRAFT_VOCAB)
+        total, count = 0.0, 0
+        for a in range(3, 10):
+            block = torch.tensor([int(ids[0, a]), MASK, MASK, MASK])
+            ctx = draft.context(aux[:, :a], torch.arange(a)[None])
+            logits = draft.compute_logits(draft(block[None], torch.arange(a, a + 4)[None], ctx, None, block_size=4))[0]
+            for k in range(1, 4):
+                if a + k < 10:
+                    tid = int(index[target[a + k - 1]])
+                    ce = -torch.log_softmax(logits[k], -1)[tid] if tid >= 0 else torch.tensor(0.0)
+                    total += math.exp(-(k - 1) / 2.0) * float(ce)
+                    count += 1
+    assert int(out.metrics["count"].sum()) == count
+    assert out.loss.item() == pytest.approx(total / count, rel=1e-5)
+
+
+def test_dpace_weights_by_hand():
+    ce = torch.tensor([[0.0, math.log(2), math.log(4), 0.0]])  # q = 1/2, 1/4 at slots 1, 2; slot 3 invalid
+    valid = torch.tensor([[False, True, True, False]])
+    w = slot_weights(ce, valid, "dpace", gamma=4.0, alpha=0.5)
+    s1, s2 = 0.5 * 0.5 + 0.5, 0.5 * 0.25 + 0.5
+    torch.testing.assert_close(w, torch.tensor([[0.0, s1 + s1 * s2, s1 * s2, 0.0]]))
+    e = slot_weights(ce, valid, "exp", gamma=4.0, alpha=0.5)
+    torch.testing.assert_close(e, torch.tensor([[0.0, 1.0, math.exp(-0.25), 0.0]]))
+
+
+def test_proposer_is_one_forward_per_step_and_matches_the_reference():
+    from tiny_speculators.evaluate.sampling import SamplingParams
+    from tiny_speculators.models.dflash.proposer import DFlashProposer
+
+    draft = tiny_dflash(num_layers=2, block_size=5).eval()
+    ids, aux, _, _ = _batch(b=1, t=14)
+    ids, aux = ids[0], aux[0]
+    prop = DFlashProposer(draft)
+    prop.commit(ids[1:7].tolist(), aux[:6], 0)  # verified positions 0..5; bonus x_6 at position 6
+    tokens, _ = prop.propose_chain(3, SamplingParams(), None)
+    assert prop.draft_forwards == 1 and prop.length == 6
+    ref = reference_forward(draft, aux[:6], torch.arange(6), torch.tensor([int(ids[6]), MASK, MASK, MASK]),
+                            torch.arange(6, 10))
+    assert tokens == draft.to_target_ids(ref[1:].argmax(-1)).tolist()
+    # rollback: position 6 and 7 verified (one draft accepted), bonus x_8; k = 4 = block_size - 1
+    prop.commit(ids[7:9].tolist(), aux[6:8], 6)
+    tokens, _ = prop.propose_chain(4, SamplingParams(), None)
+    ref = reference_forward(draft, aux[:8], torch.arange(8), torch.tensor([int(ids[8]), *[MASK] * 4]),
+                            torch.arange(8, 13))
+    assert tokens == draft.to_target_ids(ref[1:].argmax(-1)).tolist() and prop.draft_forwards == 2
+    prop.commit(ids[9:10].tolist(), aux[8:9], 8)
+    with pytest.raises(UserError, match="block size 5 proposes 1...4 tokens per step, not k=5"):
+        prop.propose_chain(5, SamplingParams(), None)
+
+
+def test_default_aux_layers_are_five_spread_over_depth():
+    assert default_aux_layer_ids(36) == [2, 10, 18, 26, 34]  # DFlash's Qwen3-8B drafts
+    assert default_aux_layer_ids(30) == [2, 9, 15, 21, 28]  # SmolLM2-135M
+    with pytest.raises(UserError, match="too shallow"):
+        default_aux_layer_ids(4)
+
+
+def _speculators_checkpoint(folder, verifier_dir, **top):
+    """The layout speculators writes for a full-vocabulary DFlash draft: no embed_tokens, no lm_head (both the
+    verifier's), Qwen3 layers with q/k norms, ``fc`` over the aux layers and ``hidden_norm``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    vc = json.loads((verifier_dir / "config.json").read_text())
+    h, v, heads, kv, hd, inter = (vc[k] for k in ("hidden_size", "vocab_size", "num_attention_heads",
+                                                  "num_key_value_heads", "head_dim", "intermediate_size"))
+    g = torch.Generator().manual_seed(0)
+    w = {"fc.weight": torch.randn(h, 3 * h, generator=g) * 0.03, "hidden_norm.weight": torch.rand(h, generator=g) + .5,
+         "norm.weight": torch.ones(h)}
+    for i in range(2):
+        p = f"layers.{i}."
+        for name, shape in (("self_attn.q_proj", (heads * hd, h)), ("self_attn.k_proj", (kv * hd, h)),
+                            ("self_attn.v_proj", (kv * hd, h)), ("self_attn.o_proj", (h, heads * hd)),
+                            ("mlp.gate_proj", (inter, h)), ("mlp.up_proj", (inter, h)), ("mlp.down_proj", (h, inter))):
+            w[f"{p}{name}.weight"] = torch.randn(*shape, generator=g) * 0.05
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            w[f"{p}{name}.weight"] = torch.ones(h)
+        for name in ("q_norm", "k_norm"):
+            w[f"{p}self_attn.{name}.weight"] = torch.rand(hd, generator=g) + 0.5
+    save_file(w, str(folder / "model.safetensors"))
+    layer = {k: vc[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings")}
+    cfg = {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash", "draft_vocab_size": v,
+           "block_size": 8, "aux_hidden_state_layer_ids": [2, 4, 5], "mask_token_id": 7,
+           "sliding_window_non_causal": False, "sample_from_anchor": False,
+           "transformer_layer_config": {**layer, "model_type": "qwen3", "num_hidden_layers": 2,
+                                        "layer_types": ["full_attention", "full_attention"]},
+           "speculators_config": {"algorithm": "dflash", "proposal_methods": [{"speculative_tokens": 7}],
+                                  "verifier": {"name_or_path": str(verifier_dir)}}, **top}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return w
+
+
+def test_import_a_speculators_written_dflash_checkpoint(tmp_path, tiny_llama_dir):
+    """It imports with the verifier's embeddings and lm_head filled in, and vLLM 0.32's reading of
+    ``sliding_window_non_causal: false`` (causal block attention); export writes it back the same way."""
+    from tiny_speculators.models.dflash.speculators import write
+    from tiny_speculators.models.family import ExportInfo
+    from tiny_speculators.models.importing import import_draft
+    from tiny_speculators.verifier.head import load_verifier_head
+
+    w = _speculators_checkpoint(tmp_path, tiny_llama_dir)
+    draft, config = import_draft(tmp_path)
+    head = load_verifier_head(str(tiny_llama_dir))
+    assert config["model_type"] == "dflash" and config["speculative_tokens"] == 7
+    assert config["aux_layer_ids"] == [2, 4, 5]
+    assert draft.block_size == 8 and draft.mask_token_id == 7 and draft.kwargs["causal"] is True
+    assert torch.equal(draft.lm_head.weight, head.target_head.lm_head.weight.float())
+    assert torch.equal(draft.embed_tokens.weight, head.embed_weight.float())
+    assert not draft.lm_head.weight.requires_grad and not draft.embed_tokens.weight.requires_grad
+    assert torch.equal(draft.layers[1].self_attn.k_norm.weight, w["layers.1.self_attn.k_norm.weight"])
+    cfg, tensors = write(draft, ExportInfo(verifier_name=str(tiny_llama_dir), verifier_architectures=[],
+                                           speculative_tokens=7, dtype=torch.float32))
+    assert cfg["sliding_window_non_causal"] is False and set(tensors) == set(w)
+
+
+@pytest.mark.parametrize(("top", "message"), [
+    ({"sample_from_anchor": True}, "sample_from_anchor true is not supported"),
+    ({"projector_type": "domino"}, "projector_type 'domino' is not supported"),
+    ({"mask_token_id": None}, "missing required field\\(s\\) mask_token_id"),
+])
+def test_import_names_what_it_cannot_read(tmp_path, tiny_llama_dir, top, message):
+    from tiny_speculators.models.importing import import_draft
+
+    _speculators_checkpoint(tmp_path, tiny_llama_dir, **top)
+    with pytest.raises(UserError, match=message):
+        import_draft(tmp_path)
