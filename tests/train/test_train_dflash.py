@@ -8,7 +8,7 @@ import json
 import subprocess
 
 import pytest
-from test_train_invariants import ENV, _assert_same, _cli, _common, _sigterm_when, _weights
+from test_train_invariants import ENV, _assert_same, _cli, _common, _sigterm_when, _weights, one_thread
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.train.stage import train
@@ -18,8 +18,9 @@ SMALL = {"block_size": 4, "num_layers": 2}
 
 def test_dflash_ddp_two_processes_equal_one(tiny_inputs, tmp_path):
     # anchors above any sample's candidates: every anchor is used, so both runs see the same blocks
-    single = train(**_common(tiny_inputs, tmp_path / "one", max_steps=2, batch_size=2, algorithm="dflash",
-                             dflash={**SMALL, "anchors": 1000}))
+    with one_thread():
+        single = train(**_common(tiny_inputs, tmp_path / "one", max_steps=2, batch_size=2, algorithm="dflash",
+                                 dflash={**SMALL, "anchors": 1000}))
     subprocess.run(_cli(tiny_inputs, tmp_path / "ddp", "--max-steps", "2", "--batch-size", "1", "--algorithm", "dflash",
                         "--dflash-block-size", "4", "--dflash-num-layers", "2", "--dflash-anchors", "1000",
                         torchrun=2), check=True, env=ENV, capture_output=True, timeout=300)

@@ -29,6 +29,18 @@ def _common(inputs, out: Path, **kw) -> dict:
     return args
 
 
+class one_thread:
+    """Run the in-process side of a DDP comparison on one torch thread, as the torchrun ranks do
+    (``ENV`` sets OMP_NUM_THREADS=1): the same summation order, so only DDP's own arithmetic differs."""
+
+    def __enter__(self) -> None:
+        self.threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc) -> None:
+        torch.set_num_threads(self.threads)
+
+
 def _weights(out: Path, name: str = "final") -> dict[str, torch.Tensor]:
     return load_file(str(out / name / "model.safetensors"))
 
@@ -56,7 +68,8 @@ def test_grad_accum_equals_bigger_batch(tiny_inputs, tmp_path):
 
 
 def test_ddp_two_processes_equal_one(tiny_inputs, tmp_path):
-    single = train(**_common(tiny_inputs, tmp_path / "one", max_steps=2, batch_size=2))
+    with one_thread():
+        single = train(**_common(tiny_inputs, tmp_path / "one", max_steps=2, batch_size=2))
     subprocess.run(_cli(tiny_inputs, tmp_path / "ddp", "--max-steps", "2", "--batch-size", "1", torchrun=2),
                    check=True, env=ENV, capture_output=True, timeout=300)
     _assert_same(_weights(tmp_path / "one"), _weights(tmp_path / "ddp"))

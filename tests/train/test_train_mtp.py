@@ -11,7 +11,7 @@ import json
 import subprocess
 
 import pytest
-from test_train_invariants import ENV, _assert_same, _cli, _common, _sigterm_when, _weights
+from test_train_invariants import ENV, _assert_same, _cli, _common, _sigterm_when, _weights, one_thread
 
 from conftest import build_inputs
 from tiny_speculators.errors import UserError
@@ -42,7 +42,8 @@ def test_mtp_offline_and_online_agree_and_learn(mimo_inputs, tmp_path):
 
 
 def test_mtp_ddp_two_processes_equal_one(mimo_inputs, tmp_path):
-    single = train(**_common(mimo_inputs, tmp_path / "one", max_steps=2, batch_size=2, algorithm="mtp", mtp=MTP))
+    with one_thread():
+        single = train(**_common(mimo_inputs, tmp_path / "one", max_steps=2, batch_size=2, algorithm="mtp", mtp=MTP))
     subprocess.run(_cli(mimo_inputs, tmp_path / "ddp", "--max-steps", "2", "--batch-size", "1", "--algorithm", "mtp",
                         "--mtp-steps", "3", torchrun=2), check=True, env=ENV, capture_output=True, timeout=300)
     _assert_same(_weights(tmp_path / "one"), _weights(tmp_path / "ddp"), atol=1e-5)

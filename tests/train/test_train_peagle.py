@@ -7,7 +7,7 @@ import json
 import subprocess
 
 import pytest
-from test_train_invariants import ENV, _assert_same, _cli, _common, _sigterm_when, _weights
+from test_train_invariants import ENV, _assert_same, _cli, _common, _sigterm_when, _weights, one_thread
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.train.stage import train
@@ -17,8 +17,9 @@ SMALL = {"depths": 3, "num_layers": 2}
 
 def test_peagle_ddp_two_processes_equal_one(tiny_inputs, tmp_path):
     # ratio 1: every anchor at every depth, so both runs see the same elements (sampling is per process)
-    single = train(**_common(tiny_inputs, tmp_path / "one", max_steps=2, batch_size=2, algorithm="peagle",
-                             peagle={**SMALL, "ratio": 1.0, "ratio_min": 1.0}))
+    with one_thread():
+        single = train(**_common(tiny_inputs, tmp_path / "one", max_steps=2, batch_size=2, algorithm="peagle",
+                                 peagle={**SMALL, "ratio": 1.0, "ratio_min": 1.0}))
     subprocess.run(_cli(tiny_inputs, tmp_path / "ddp", "--max-steps", "2", "--batch-size", "1", "--algorithm", "peagle",
                         "--peagle-depths", "3", "--peagle-num-layers", "2", "--peagle-ratio", "1",
                         "--peagle-ratio-min", "1", torchrun=2), check=True, env=ENV, capture_output=True, timeout=300)
