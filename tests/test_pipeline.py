@@ -193,8 +193,11 @@ def test_embedded_family_variants_run_end_to_end(name, tmp_path, tiny_llama_dir,
     short = shorten(config, tiny_llama_dir, tmp_path / "run")
     short["regenerate"]["data"] = [str(PROMPTS)]
     algorithm = config["train"]["algorithm"]
-    if algorithm in short["train"]:  # keep the family's options but a short training
-        short["train"][algorithm] = {**short["train"][algorithm]}
+    if "layers" in short.get("extract", {}):  # layer ids of SmolLM2's 30 layers: the family's own for the tiny one
+        from tiny_speculators.models import get_family
+
+        layers = json.loads((tiny_llama_dir / "config.json").read_text())["num_hidden_layers"]
+        short["extract"]["layers"] = get_family(algorithm).default_aux_layer_ids(layers)
     path = tmp_path / name
     path.write_text(yaml.safe_dump(short), encoding="utf-8")
     result = pipeline(path)
