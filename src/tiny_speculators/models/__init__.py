@@ -27,8 +27,9 @@ FAMILIES: dict[str, DraftFamily] = {
 }
 
 Algorithm = Literal[tuple(FAMILIES)]  # the names, for typed stage options
+DEFAULT_ALGORITHM = next(iter(FAMILIES))  # the first in the table
 
-__all__ = ["FAMILIES", "FORMAT_NAMES", "Algorithm", "DraftFamily", "family_of", "get_family"]
+__all__ = ["DEFAULT_ALGORITHM", "FAMILIES", "FORMAT_NAMES", "Algorithm", "DraftFamily", "family_of", "get_family"]
 
 
 def get_family(name: str) -> DraftFamily:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models import FAMILIES, Algorithm, get_family
+from tiny_speculators.models import DEFAULT_ALGORITHM, FAMILIES, Algorithm, get_family
 from tiny_speculators.models.family import parse_options
 from tiny_speculators.train import checkpoint as C
 from tiny_speculators.train import distributed as D
@@ -45,7 +45,7 @@ def train(
     hidden_states: Path | None = None,
     data: Path | None = None,
     online: bool = False,
-    algorithm: Algorithm = "eagle3",
+    algorithm: Algorithm = DEFAULT_ALGORITHM,
     max_steps: int | None = None,
     epochs: int = 1,
     batch_size: int = 1,
