@@ -6,11 +6,13 @@ draft milliseconds per verification step, end-to-end tokens/s with the verifier,
 verifier alone measured in the same run; plus training tokens/s and peak RSS. Prints a table, writes
 ``results.json`` and ``families.png`` into ``--work``.
 
-Data: a pipeline run's prepare / vocab / extract folders (``--run``, e.g. the embedded default's
-``runs/smollm2-135m``) so every family trains on the same stored hidden states.
+Data: a pipeline run's prepare / vocab / extract folders (``--run``) so every family trains on the same stored
+hidden states. A family reads any subset of the stored aux layers (``aux_layer_ids=2/15/28`` in its spec), so the
+DFlash config's extraction (five layers) serves all families:
 
-    python benchmarks/families.py --run runs/smollm2-135m --steps 120 --work /tmp/families \
-        --families eagle3 peagle:num_layers=1 peagle:num_layers=2 --ks 3 5 7 --max-prompts 6
+    python benchmarks/families.py --run runs/smollm2-135m-dflash --steps 120 --work /tmp/families \
+        --families eagle3:aux_layer_ids=2/15/28 peagle:aux_layer_ids=2/15/28,num_layers=2 dflash:block_size=4 \
+        --ks 3 5 7 --max-prompts 6
 """
 
 from __future__ import annotations
@@ -27,14 +29,17 @@ from pathlib import Path
 import yaml
 
 
-def parse_family(spec: str) -> tuple[str, dict]:
-    """``peagle:num_layers=2,depths=4`` -> ("peagle", {"num_layers": 2, "depths": 4})."""
+def parse_family(spec: str) -> tuple[str, dict, list[int] | None]:
+    """``peagle:aux_layer_ids=2/15/28,num_layers=2`` -> ("peagle", {"num_layers": 2}, [2, 15, 28])."""
     name, _, rest = spec.partition(":")
-    options = {}
+    options, aux = {}, None
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        options[key] = yaml.safe_load(value)
-    return name, options
+        if key == "aux_layer_ids":
+            aux = [int(v) for v in value.split("/")]
+        else:
+            options[key] = yaml.safe_load(value)
+    return name, options, aux
 
 
 def run_with_peak_rss(cmd: list[str], log: Path) -> tuple[float, float]:
@@ -63,13 +68,14 @@ def run_with_peak_rss(cmd: list[str], log: Path) -> tuple[float, float]:
     return time.perf_counter() - t0, peak[0]
 
 
-def train_family(run: Path, out: Path, name: str, options: dict, steps: int, batch_tokens: int, seed: int) -> dict:
+def train_family(run: Path, out: Path, name: str, options: dict, aux: list[int] | None, steps: int, batch_tokens: int,
+                 seed: int) -> dict:
     config = out.parent / f"{out.name}.yaml"
     config.write_text(yaml.safe_dump({
         "verifier": "smollm2-135m", "vocab": str(run / "vocab"), "hidden_states": str(run / "extract"),
         "out": str(out), "max_steps": steps, "batch_tokens": batch_tokens, "pack": True, "lr": 1e-3,
         "warmup_steps": 10, "eval_fraction": 0.05, "eval_every": 0, "save_every": 0, "seed": seed,
-        "progress": False, "algorithm": name, name: options}))
+        "progress": False, "algorithm": name, name: options, "aux_layer_ids": aux}))
     cmd = [sys.executable, "-m", "tiny_speculators.cli", "train", "--config", str(config)]
     seconds, peak = run_with_peak_rss(cmd, out.parent / f"{out.name}.train.log")
     summary = json.loads((out / "summary.json").read_text())
@@ -101,15 +107,15 @@ def main() -> None:
     a.work.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
     for spec in a.families:
-        name, options = parse_family(spec)
-        tag = spec.replace(":", "_").replace(",", "_").replace("=", "")
+        name, options, aux = parse_family(spec)
+        tag = spec.replace(":", "_").replace(",", "_").replace("=", "").replace("/", "-")
         out = a.work / tag
         row: dict = {"family": name, "options": options}
         if (a.work / f"{tag}.json").is_file():  # resume a partly measured benchmark
             results[spec] = json.loads((a.work / f"{tag}.json").read_text())
             continue
         if not (out / "final").is_dir():
-            row.update(train_family(a.run, out, name, options, a.steps, a.batch_tokens, a.seed))
+            row.update(train_family(a.run, out, name, options, aux, a.steps, a.batch_tokens, a.seed))
         export(out, out=a.work / f"{tag}-export")
         row["k"] = {}
         for k in a.ks:

@@ -152,6 +152,7 @@ class DraftFormat:
     card: Callable[[Mapping[str, Any]], dict[str, Any]]
     vllm_speculative_config: Callable[[str, int], dict[str, Any]] | None = None  # None: vLLM cannot serve it
     companions: Callable[[str], list[Path]] | None = None  # (verifier_name) -> files export copies beside the weights
+    whole_verifier: bool = False  # the folder is the verifier's own checkpoint with the draft inside (vLLM serves it)
 
 
 @dataclass(frozen=True)

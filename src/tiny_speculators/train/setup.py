@@ -144,12 +144,9 @@ def _source_and_head(opts: TrainOptions, family: DraftFamily, info: D.DistInfo):
     from tiny_speculators.train.sources import OfflineSource
     from tiny_speculators.verifier.head import load_verifier_head
 
-    source = OfflineSource(opts.hidden_states)
-    aux = source.aux_layer_ids
-    if opts.aux_layer_ids and list(opts.aux_layer_ids) != aux:
-        raise UserError(f"--aux-layer-ids {opts.aux_layer_ids} differ from the extraction's {aux} "
-                        f"({opts.hidden_states}/manifest.json)")
     head = load_verifier_head(opts.verifier, trust_remote_code=opts.trust_remote_code)
+    source = OfflineSource(opts.hidden_states, aux_layer_ids=opts.aux_layer_ids or None)
+    aux = source.aux_layer_ids
     _check_manifest(source.manifest, head.config, opts)
     return source, head, aux
 
