@@ -57,7 +57,7 @@ def read_draft(draft: Path) -> dict[str, Any]:
         raise UserError(f"--draft {draft}: no config.json there (export the draft first: tiny-speculators "
                         "export)")
     try:
-        family, fmt = detect_format(folder)
+        _, fmt = detect_format(folder)
     except UserError:
         fmt = None
     if fmt is None or fmt.vllm_speculative_config is None:
