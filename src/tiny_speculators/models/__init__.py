@@ -1,6 +1,6 @@
-"""Draft model families. Each algorithm is one sub-package (``eagle3/``, ``peagle/``, ``dflash/``, ``dspark/``, ``mtp/``) with
-its modules, builder, objective, proposer and formats; :data:`FAMILIES` is the one table the stages dispatch through
-(what a family provides: ``family.py``).
+"""Draft model families. Each algorithm is one sub-package (``eagle3/``, ``peagle/``, ``dflash/``, ``dspark/``,
+``mtp/``) with its modules, builder, objective, proposer and formats; :data:`FAMILIES` is the one table the
+stages dispatch through (what a family provides: ``family.py``).
 
     from tiny_speculators.models import FAMILIES, get_family
     get_family("eagle3").options()          # Eagle3Options(ttt_steps=3, ...)

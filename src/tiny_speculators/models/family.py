@@ -34,8 +34,8 @@ from torch import nn
 
 from tiny_speculators.errors import UserError
 
-__all__ = ["BuildInputs", "ConfidenceProposer", "DraftFamily", "DraftFormat", "DraftTree", "ExportInfo", "Objective", "Proposer",
-           "StepOutput", "TreeParams", "parse_options"]
+__all__ = ["BuildInputs", "ConfidenceProposer", "DraftFamily", "DraftFormat", "DraftTree", "ExportInfo", "Objective",
+           "Proposer", "StepOutput", "TreeParams", "parse_options"]
 
 
 @dataclass(frozen=True)

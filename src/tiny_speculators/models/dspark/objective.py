@@ -64,10 +64,10 @@ def _rows(draft: DSparkDraft, hidden, prev, target_ids, target_logp, weights, lo
 
 
 class DSparkObjective(nn.Module):
-    """``forward(batch, loss_normalizer) -> StepOutput`` for a :class:`DSparkDraft`; loss groups are the P predictions."""
+    """``forward(batch, loss_normalizer) -> StepOutput`` for a :class:`DSparkDraft`; loss groups: the P predictions."""
 
     def __init__(self, draft: DSparkDraft, target_head: nn.Module, *, anchors: int, gamma: float,
-                 loss_weights: LossWeights = LossWeights(), chunk_size: int = 1024, anchor_chunk: int = 256,
+                 loss_weights: LossWeights | None = None, chunk_size: int = 1024, anchor_chunk: int = 256,
                  checkpoint: bool = True) -> None:
         super().__init__()
         self.draft = draft
@@ -75,7 +75,7 @@ class DSparkObjective(nn.Module):
         self.block_size, self.predictions = draft.block_size, draft.max_tokens
         self.first_slot = 0 if draft.sample_from_anchor else 1
         self.anchors, self.gamma = anchors, gamma
-        self.loss_weights = loss_weights
+        self.loss_weights = loss_weights or LossWeights()
         self.chunk_size, self.anchor_chunk, self.checkpoint = chunk_size, anchor_chunk, checkpoint
 
     def _anchors(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
