@@ -6,6 +6,8 @@ also the verifier's own generate, and sampling emits exactly the verifier's dist
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_eval_decoding import _chi2_pvalue, _exact_marginals, _hf_greedy, _load, _prompts
@@ -179,3 +181,42 @@ def test_dspark_matches_the_reference_decode_on_the_embedded_verifier(smollm2_di
         tokens, accepted, proposed, _ = reference_decode(model, draft, prompt, 8, 16, 0.3)
         assert res.tokens == tokens == _hf_greedy(model, prompt, 16)
         assert res.accepted == accepted and res.proposed == proposed
+
+
+def test_evaluate_stage_reports_verified_tokens_and_calibration(tiny_llama_dir, tmp_path):
+    """The stage with a DSpark checkpoint: --confidence-threshold off verifies the whole block, a threshold sends
+    fewer tokens per step; both report the confidence calibration and write calibration.png. A draft without a
+    confidence estimate refuses a threshold."""
+    from tiny_speculators.cli import main
+    from tiny_speculators.errors import UserError
+    from tiny_speculators.evaluate.stage import evaluate
+    from tiny_speculators.models.checkpoint import save_draft
+
+    model = _load(tiny_llama_dir)
+    aux = [2, 4, 5]
+    meta = {"verifier": {"name_or_path": str(tiny_llama_dir), "architectures": ["LlamaForCausalLM"],
+                         "hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size}}
+    save_draft(tmp_path / "draft", dspark_draft(model, aux, block_size=4), meta)
+    common = ["evaluate", "--verifier", str(tiny_llama_dir), "--draft", str(tmp_path / "draft"), "--prompts",
+              "builtin", "--max-prompts", "2", "--max-new-tokens", "12", "--k", "4", "--no-baseline"]
+    assert main([*common, "--out", str(tmp_path / "off"), "--confidence-threshold", "off"]) == 0
+    assert main([*common, "--out", str(tmp_path / "cut"), "--confidence-threshold", "0.6"]) == 0
+    off = json.loads((tmp_path / "off" / "summary.json").read_text())
+    cut = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert off["confidence_threshold"] is None and cut["confidence_threshold"] == 0.6
+    assert off["verified_tokens_per_step"] == 4.0 > cut["verified_tokens_per_step"] >= 1.0
+    for run, summary in (("off", off), ("cut", cut)):
+        cal = summary["confidence_calibration"]
+        assert cal["num_tokens"] > 0 and 0.0 <= cal["ece"] <= 1.0 and len(cal["bins"]) == 10
+        assert sum(b["count"] for b in cal["bins"]) == cal["num_tokens"]
+        assert (tmp_path / run / "calibration.png").stat().st_size > 1000
+    with pytest.raises(UserError, match="must be in \\[0, 1\\]"):
+        evaluate(str(tiny_llama_dir), tmp_path / "draft", tmp_path / "bad", max_prompts=1, max_new_tokens=4,
+                 confidence_threshold=2.0, baseline=False)
+    from eval_helpers import random_draft
+
+    save_draft(tmp_path / "eagle", random_draft(model, draft_vocab=4000), {**meta, "aux_layer_ids": aux})
+    with pytest.raises(UserError, match="a eagle3 draft predicts no acceptance confidence"):
+        evaluate(str(tiny_llama_dir), tmp_path / "eagle", tmp_path / "bad", max_prompts=1, max_new_tokens=4,
+                 confidence_threshold=0.5, baseline=False)
+    assert not (tmp_path / "bad").exists()
