@@ -13,6 +13,13 @@ DFlash config's extraction (five layers) serves all families:
     python benchmarks/families.py --run runs/smollm2-135m-dflash --steps 120 --work /tmp/families \
         --families eagle3:aux_layer_ids=2/15/28 peagle:aux_layer_ids=2/15/28,num_layers=2 dflash:block_size=4 \
         --ks 3 5 7 --max-prompts 6
+
+Drafts that predict acceptance (a confidence head) are also evaluated with each ``--confidence-thresholds`` value
+(``off`` = verify every drafted token): the rows then differ in draft tokens verified per step, e.g. DFlash against
+DSpark at the same budget, with and without the cut (DSpark's block of B drafts B tokens, DFlash's B - 1)::
+
+    python benchmarks/families.py --run runs/smollm2-135m-dflash --steps 120 --work /tmp/dspark \
+        --families dflash:block_size=5 dspark:block_size=4 --ks 4 --confidence-thresholds off 0.3
 """
 
 from __future__ import annotations
@@ -95,9 +102,12 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[3, 5, 7])
     ap.add_argument("--max-prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--confidence-thresholds", nargs="+", default=["off"],
+                    help="for drafts with a confidence head: evaluate once per value (off = verify the whole chain)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", type=Path, default=Path("/tmp/families"))
     a = ap.parse_args()
+    from tiny_speculators.errors import UserError
     from tiny_speculators.evaluate.stage import evaluate
     from tiny_speculators.export.stage import export
 
@@ -119,12 +129,23 @@ def main() -> None:
         export(out, out=a.work / f"{tag}-export")
         row["k"] = {}
         for k in a.ks:
-            ev = evaluate("smollm2-135m", a.work / f"{tag}-export", a.work / f"{tag}-eval-k{k}", prompts="builtin",
-                          k=k, max_new_tokens=a.max_new_tokens, max_prompts=a.max_prompts, seed=a.seed)
-            row["k"][k] = {key: ev[key] for key in ("acceptance_length", "per_position_acceptance",
-                                                     "draft_forwards_per_step", "draft_ms_per_step",
-                                                     "tokens_per_second", "baseline_tokens_per_second", "speedup",
-                                                     "matches_baseline")}
+            for threshold in a.confidence_thresholds:
+                key = str(k) if threshold == "off" else f"{k}@{threshold}"
+                try:
+                    ev = evaluate("smollm2-135m", a.work / f"{tag}-export", a.work / f"{tag}-eval-k{key}",
+                                  prompts="builtin", k=k, max_new_tokens=a.max_new_tokens, max_prompts=a.max_prompts,
+                                  seed=a.seed, confidence_threshold=threshold if threshold == "off" else
+                                  float(threshold))
+                except UserError as e:  # no confidence head: only "off" applies
+                    if threshold == "off":
+                        raise
+                    print(f"{spec}: threshold {threshold} skipped ({e})")
+                    continue
+                cal = ev.get("confidence_calibration") or {}
+                row["k"][key] = {**{name: ev[name] for name in (
+                    "acceptance_length", "per_position_acceptance", "verified_tokens_per_step",
+                    "draft_forwards_per_step", "draft_ms_per_step", "tokens_per_second",
+                    "baseline_tokens_per_second", "speedup", "matches_baseline")}, "confidence_ece": cal.get("ece")}
         (a.work / f"{tag}.json").write_text(json.dumps(row, indent=2))
         results[spec] = row
     (a.work / "results.json").write_text(json.dumps(results, indent=2))
@@ -135,13 +156,15 @@ def main() -> None:
 def print_table(results: dict, a) -> None:
     print(f"\n{a.run}: {a.steps} steps x {a.batch_tokens} packed tokens, seed {a.seed}; evaluated on "
           f"{a.max_prompts} held-out prompts x {a.max_new_tokens} tokens (fp32, greedy)")
-    print("| family | params | train tok/s | peak RSS MB | k | τ | draft fwd/step | draft ms/step | tok/s | "
-          "vs verifier alone | lossless |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| family | params | train tok/s | peak RSS MB | k (@ confidence threshold) | τ | verified tok/step | "
+          "draft fwd/step | draft ms/step | tok/s | vs verifier alone | lossless |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for spec, r in results.items():
         for k, e in r["k"].items():
+            verified = e.get("verified_tokens_per_step")
             print(f"| {spec} | {r.get('draft_parameters', 0):,} | {r.get('train_tokens_per_s', 0):.0f} | "
                   f"{r.get('peak_rss_mb', 0):.0f} | {k} | {e['acceptance_length']:.3f} | "
+                  f"{'-' if verified is None else f'{verified:.2f}'} | "
                   f"{e['draft_forwards_per_step']:.2f} | {e['draft_ms_per_step']:.1f} | {e['tokens_per_second']:.1f} | "
                   f"{e['speedup']:.2f}x | {e['matches_baseline']} |")
 
@@ -154,7 +177,7 @@ def plot(results: dict, path: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for spec, r in results.items():
-        ks = sorted(int(k) for k in r["k"])
+        ks = sorted(int(k) for k in r["k"] if "@" not in str(k))  # the uncut rows
         ax1.plot(ks, [r["k"][k if k in r["k"] else str(k)]["acceptance_length"] for k in ks], marker="o", label=spec)
         ax2.plot(ks, [r["k"][k if k in r["k"] else str(k)]["draft_ms_per_step"] for k in ks], marker="o", label=spec)
     ax1.set_xlabel("k (draft tokens per step)")

@@ -164,7 +164,10 @@ def _initial_draft(opts: TrainOptions, family: DraftFamily, head, aux: list[int]
     from tiny_speculators.models.importing import import_draft
 
     draft, dcfg = import_draft(opts.init_from, verifier=opts.verifier)
-    if dcfg["model_type"] != family.name:
+    if dcfg["model_type"] in family.warm_starts:  # another family's draft this one starts from
+        log.info("warm start: %s draft %s -> %s", dcfg["model_type"], opts.init_from, family.name)
+        draft = family.warm_starts[dcfg["model_type"]](draft, opts.family)
+    elif dcfg["model_type"] != family.name:
         raise UserError(f"--init-from {opts.init_from} is a {dcfg['model_type']} draft, this run trains "
                         f"{family.name} (--algorithm)")
     if dcfg.get("aux_layer_ids") not in (None, aux):
