@@ -158,7 +158,7 @@ def coerce(value: Any, annotation: Any, where: str) -> Any:
 
 
 def _coerce_mapping(value: Any, annotation: Any, where: str) -> dict[Any, Any]:
-    """A typed mapping from a YAML mapping, or from ``name=value`` words (the command line: ``--loss ce=0.1 tv=0.9``)."""
+    """A typed mapping from a YAML mapping, or from ``name=value`` words (command line: ``--loss ce=0.1 tv=0.9``)."""
     key_type, value_type = get_args(annotation) or (Any, Any)
     if isinstance(value, str):
         value = value.split()

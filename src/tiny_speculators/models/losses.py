@@ -96,7 +96,8 @@ class LossSpec:
         return tuple(dict.fromkeys(need))
 
     def record(self) -> dict:
-        return {"loss": dict(self.terms) if self.terms else None, "position_weights": self.position_weights, "dpace_alpha": self.dpace_alpha}
+        return {"loss": dict(self.terms) if self.terms else None, "position_weights": self.position_weights,
+                "dpace_alpha": self.dpace_alpha}
 
 
 class TargetSource(Protocol):
@@ -181,7 +182,8 @@ def row_columns(logq: torch.Tensor, target_logp: torch.Tensor, target_draft_id: 
             v = (logq.exp() * (logq - target_logp.clamp(min=LOGP_FLOOR))).sum(-1)
         elif name == "jsd":
             logm = torch.logaddexp(target_logp, logq) - math.log(2.0)
-            v = 0.5 * (torch.where(p > 0, p * (target_logp - logm), zero).sum(-1) + (logq.exp() * (logq - logm)).sum(-1))
+            forward = torch.where(p > 0, p * (target_logp - logm), zero).sum(-1)
+            v = 0.5 * (forward + (logq.exp() * (logq - logm)).sum(-1))
         elif name == "tv":
             v = 1.0 - torch.minimum(p, logq.exp()).sum(-1)
         elif name == "ce":

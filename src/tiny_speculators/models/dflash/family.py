@@ -19,8 +19,8 @@ from tiny_speculators.models.dflash.objective import DFlashObjective, default_ga
 from tiny_speculators.models.dflash.proposer import DFlashProposer
 from tiny_speculators.models.eagle3.builder import draft_kwargs_from_verifier
 from tiny_speculators.models.family import BuildInputs, DraftFamily
-from tiny_speculators.models.losses import LossSpec
 from tiny_speculators.models.importing import check_vocab_maps
+from tiny_speculators.models.losses import LossSpec
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@ layer's own output of step k-1 and ``x_{t+k}``, at position ``pos[t] + k - 1``, 
 its document up to ``t`` and its own chain: exactly EAGLE-3's training-time-test rollout (``eagle3/ttt.py``), so
 that rollout, its chunked KL loss to the verifier and its metrics are reused with the MTP layer as the draft.
 
-Loss (``models/losses.py``; forward KL unless the run chooses others): ``sum_k w_k * loss_k / count_k`` with ``w_k = beta**(k-1) / sum_j beta**(j-1)`` (normalized, beta = 0.6),
-the counts over the whole optimizer step (``loss_counts``), so micro-batches and ranks add up exactly.
+Loss (``models/losses.py``; forward KL unless the run chooses others): ``sum_k w_k * loss_k / count_k`` with
+``w_k = beta**(k-1) / sum_j beta**(j-1)`` (normalized, beta = 0.6; or D-PACE's weights over the normalizer), the
+counts over the whole optimizer step (``loss_counts``), so micro-batches and ranks add up exactly.
 
 MTP needs the verifier's last pre-norm hidden state in every batch: online training has it, and so do the
 ``full`` and ``fp8`` extract layouts; the top-k layouts drop it (a one-line error says so).

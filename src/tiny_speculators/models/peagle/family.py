@@ -15,8 +15,8 @@ from tiny_speculators.errors import UserError
 from tiny_speculators.models.eagle3.builder import draft_kwargs_from_verifier
 from tiny_speculators.models.eagle3.family import default_aux_layer_ids, resolve_layer_type
 from tiny_speculators.models.family import BuildInputs, DraftFamily
-from tiny_speculators.models.losses import LossSpec
 from tiny_speculators.models.importing import check_vocab_maps
+from tiny_speculators.models.losses import LossSpec
 from tiny_speculators.models.peagle import speculators
 from tiny_speculators.models.peagle.model import PEagleDraft
 from tiny_speculators.models.peagle.objective import PEagleObjective

@@ -18,7 +18,8 @@ exact) and happens in :meth:`PEagleObjective.loss_counts`, which stores the choi
 ``forward``. Validation (``eval()``) keeps every anchor at every depth.
 
 Loss: per depth, the run's loss terms (``models/losses.py``, forward KL by default) summed over its elements
-(chunked, as EAGLE-3's); the total is ``sum_d decay**d * loss_d / count_d`` (or D-PACE's weights) with counts over the whole optimizer step, i.e. each depth's mean.
+(chunked, as EAGLE-3's); the total is ``sum_d decay**d * loss_d / count_d`` (or D-PACE's weights) with counts
+over the whole optimizer step, i.e. each depth's mean.
 """
 
 from __future__ import annotations
