@@ -328,8 +328,10 @@ def rowwise_losses(draft, hidden: torch.Tensor, targets: TargetSource, rows: tor
     outs, has, preds, tgts = [], [], [], []
     for start in range(0, rows.numel(), chunk_size):
         r = rows[start:start + chunk_size]
-        with torch.no_grad():
-            argmax, tlp = targets.rows(r, cols_of_draft)
+        with torch.no_grad():  # block slots share verifier rows: each distinct row once
+            uniq, inverse = torch.unique(r, return_inverse=True)
+            argmax, tlp = targets.rows(uniq, cols_of_draft)
+            argmax, tlp = argmax[inverse], tlp[inverse]
             tid = index[argmax]
         cols, pred = _run_block(draft, hidden[start:start + chunk_size], tlp, tid, spec.columns, checkpoint)
         outs.append(cols)
