@@ -56,11 +56,12 @@ def train_recipe(run: Path, out: Path, recipe: dict, a) -> dict:
         "seed": a.seed, "progress": False, "algorithm": a.algorithm, **recipe}))
     cmd = [sys.executable, "-m", "tiny_speculators.cli", "train", "--config", str(config)]
     t0 = time.perf_counter()
-    with (out.parent / f"{out.name}.train.log").open("w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": str(a.threads)}).returncode
-    if rc:
-        raise SystemExit(f"training {out.name} failed (rc {rc}); see {out.parent / f'{out.name}.train.log'}")
+    if not (out / "summary.json").is_file():  # trained already (an interrupted benchmark): only evaluate again
+        with (out.parent / f"{out.name}.train.log").open("w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": str(a.threads)}).returncode
+        if rc:
+            raise SystemExit(f"training {out.name} failed (rc {rc}); see {out.parent / f'{out.name}.train.log'}")
     summary = json.loads((out / "summary.json").read_text())
     train, val = summary["final_train"] or {}, summary["final_val"] or {}
     return {"train_wall_s": time.perf_counter() - t0, "train_loop_s": summary["train_seconds"],
