@@ -36,7 +36,7 @@ def _add_param(parser, name: str, p: inspect.Parameter, annotation: Any, help_te
     origin = get_origin(inner)
     help_text = help_text.replace("%", "%%")  # argparse %-formats help strings
     kwargs: dict[str, Any] = {"help": help_text or None}
-    if origin in (list, tuple):
+    if origin in (list, tuple, dict):  # a dict is given as name=value words
         kwargs["nargs"] = "+"
     if origin is Literal:
         kwargs["choices"] = [str(c) for c in get_args(inner)]

@@ -102,6 +102,8 @@ def coerce(value: Any, annotation: Any, where: str) -> Any:
     origin = get_origin(annotation)
     if annotation is Any:
         return value
+    if origin is dict:
+        return _coerce_mapping(value, annotation, where)
     if origin is Literal:
         choices = get_args(annotation)
         for c in choices:
@@ -153,6 +155,24 @@ def coerce(value: Any, annotation: Any, where: str) -> Any:
             return value
         raise UserError(f"{where} must be a mapping, not {value!r}")
     raise UserError(f"{where} has an unsupported type {annotation!r}")
+
+
+def _coerce_mapping(value: Any, annotation: Any, where: str) -> dict[Any, Any]:
+    """A typed mapping from a YAML mapping, or from ``name=value`` words (command line: ``--loss ce=0.1 tv=0.9``)."""
+    key_type, value_type = get_args(annotation) or (Any, Any)
+    if isinstance(value, str):
+        value = value.split()
+    if isinstance(value, (list, tuple)):
+        pairs: dict[str, str] = {}
+        for item in value:
+            if not isinstance(item, str) or "=" not in item:
+                raise UserError(f"{where} takes name=value pairs (e.g. kl=1.0), not {item!r}")
+            name, _, number = item.partition("=")
+            pairs[name.strip()] = number.strip()
+        value = pairs
+    if not isinstance(value, Mapping):
+        raise UserError(f"{where} must be a mapping, not {value!r}")
+    return {coerce(k, key_type, where): coerce(v, value_type, f"{where}.{k}") for k, v in value.items()}
 
 
 _ARG_LINE = re.compile(r"^ {4}(\w+)(?: \(.*?\))?:\s*(.*)$")

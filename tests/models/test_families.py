@@ -140,3 +140,31 @@ def test_family_options_name_the_bad_key(name):
     first = dataclasses.fields(family.options)[0]
     with pytest.raises(UserError, match=rf"train\.{name}\.{first.name}"):
         parse_options(family.options, {first.name: "not a number" if first.type != "str" else 3}, f"train.{name}")
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_objective_takes_the_runs_loss_choice(name, verifiers):
+    """The loss choice reaches every family through the seam: the family default equals no choice; another term,
+    and D-PACE weights, change the loss, which stays differentiable; the metric sums still add up."""
+    from tiny_speculators.models.losses import LossSpec
+
+    family = get_family(name)
+    tiny_llama_dir, model, head = verifiers(family.reads_verifier_files)
+    aux = family.default_aux_layer_ids(model.config.num_hidden_layers) if family.fixed_aux_layer_ids else AUX
+    torch.manual_seed(0)
+    # a draft vocab of half the verifier's, so the verifier's argmax is often a draft token (CE is not all 0)
+    draft = family.build(_inputs(head, AUX, tiny_llama_dir, draft_vocab=head.config.vocab_size // 2), family.options())
+    batch = _batch(model, aux, seed=3)
+    losses = {}
+    for key, spec in [("none", None), ("default", LossSpec()), ("tv", LossSpec.from_mapping({"ce": 0.1, "tv": 0.9})),
+                      ("lk-dpace", LossSpec.from_mapping({"lk": 1.0}, position_weights="dpace"))]:
+        objective = family.objective(draft, head.target_head, family.options(), "sdpa", loss=spec).eval()
+        counts = objective.loss_counts(batch)  # eval(): every anchor, so each spec sees the same positions
+        out = objective(batch, counts.float().clamp(min=1))
+        draft.zero_grad()
+        out.loss.backward()
+        assert torch.isfinite(out.loss) and any(p.grad is not None and p.grad.abs().sum() > 0
+                                                for p in draft.parameters() if p.requires_grad), key
+        losses[key] = out.loss.item()
+    assert losses["none"] == losses["default"]
+    assert len({round(v, 6) for v in losses.values()}) == 3, losses

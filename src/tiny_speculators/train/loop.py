@@ -1,6 +1,6 @@
 """The training loop, visible end to end: plan -> micro-batches -> the family's objective (e.g. a TTT rollout)
 -> exact loss normalization -> backward (grad accumulation, DDP/FSDP sync on the last micro-batch) -> clip ->
-AdamW step -> reduced metrics -> eval / checkpoint / best.
+optimizer step -> reduced metrics -> eval / checkpoint / best.
 
 Loss normalization is global: each loss group's sum (e.g. each TTT step's summed KL) is divided by that group's
 count of loss positions over the WHOLE optimizer step (all ranks, all accumulation micro-batches; one small
@@ -90,6 +90,16 @@ def reduce_stats(stats: dict[str, torch.Tensor], info: D.DistInfo) -> dict[str, 
     return out
 
 
+def with_aux_noise(batch: dict[str, Any], std: float) -> dict[str, Any]:
+    """The batch with Gaussian noise of ``std`` on the verifier's aux hidden states (training only), drawn from
+    torch's global RNG (seeded, and checkpointed in ``rng.pt``, so a resumed run draws the same noise)."""
+    if std <= 0 or "aux_hidden_states" not in batch:
+        return batch
+    aux = batch["aux_hidden_states"]
+    noise = torch.randn(aux.shape, device=aux.device, dtype=torch.float32)
+    return {**batch, "aux_hidden_states": (aux.float() + std * noise).to(aux.dtype)}
+
+
 def _add(stats: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
     for k in stats:
         stats[k] += metrics[k]
@@ -163,6 +173,7 @@ def train_loop(*, cfg: TrainOptions, max_steps: int, info: D.DistInfo, model: nn
             stats = objective.new_stats(info.device)
             tokens = 0
             for i, batch in enumerate(batches):
+                batch = with_aux_noise(batch, cfg.aux_noise_std)
                 with D.no_sync(model, skip=i < len(batches) - 1), _autocast(info.device, cfg.precision):
                     out = model(batch, normalizer)
                     # DDP/FSDP average gradients over ranks; the loss is a share of a global sum: undo the average

@@ -50,9 +50,28 @@ class TrainOptions:
     log_every: int = 1
     progress: bool = True
     trust_remote_code: bool = False
+    loss: dict[str, float] | None = None
+    position_weights: str = "decay"
+    dpace_alpha: float = 0.5
+    optimizer: str = "adamw"
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.1
+    aux_noise_std: float = 0.0
+
+    # the training recipe: what a summary reports next to the family's options
+    RECIPE_KEYS = ("loss", "position_weights", "dpace_alpha", "optimizer", "muon_momentum", "muon_weight_decay",
+                   "aux_noise_std")
 
     # what a checkpoint records and a resume compares (the data order depends on these)
     ORDER_KEYS = ("batch_size", "batch_tokens", "pack", "grad_accum", "seed")
+
+    def recipe(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.RECIPE_KEYS}
+
+    def loss_spec(self):
+        from tiny_speculators.models.losses import LossSpec
+
+        return LossSpec.from_mapping(self.loss, self.position_weights, self.dpace_alpha)
 
     def record(self) -> dict[str, Any]:
         """JSON-ready run arguments for checkpoints (``meta.json``), family options nested under their name."""

@@ -1,5 +1,6 @@
 """Build everything a run needs from its options: the sample source (offline or online), the target head,
-the draft of the chosen family (fresh, or ``init_from``), the family's objective wrapped in DDP/FSDP2, AdamW;
+the draft of the chosen family (fresh, or ``init_from``), the family's objective (with the run's loss) wrapped in
+DDP/FSDP2, AdamW or Muon + AdamW;
 and the checkpoint glue (save / resume / best / final) on top of a :mod:`state_io` strategy.
 """
 
@@ -20,7 +21,7 @@ from tiny_speculators.train import checkpoint as C
 from tiny_speculators.train import distributed as D
 from tiny_speculators.train.loop import TrainState
 from tiny_speculators.train.options import TrainOptions
-from tiny_speculators.train.schedule import build_optimizer
+from tiny_speculators.train.schedule import OptimizerGroup, build_optimizer
 from tiny_speculators.train.state_io import StateIO, state_io
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class Run:
     draft: nn.Module  # the family's draft (its parameters are DTensors under FSDP)
     objective: nn.Module  # the family's objective around the draft (unwrapped)
     model: nn.Module  # what the loop calls: the objective, wrapped in DDP or FSDP2
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | OptimizerGroup
     target_head: nn.Module
     source: Any
     draft_meta: dict[str, Any]
@@ -94,6 +95,9 @@ class Run:
         optim_sd, _schedule, rngs, meta = C.load_training_files(folder)
         recorded = meta["args"]
         current = self.opts.record()
+        if recorded.get("optimizer", "adamw") != self.opts.optimizer:
+            raise UserError(f"{folder} was trained with --optimizer {recorded.get('optimizer', 'adamw')}; resume with "
+                            f"it (this run says {self.opts.optimizer})")
         for key in (*TrainOptions.ORDER_KEYS, "algorithm", self.opts.algorithm):
             if recorded.get(key) != current.get(key):
                 log.warning("resuming with %s=%s but the checkpoint used %s: the run will differ",
@@ -188,9 +192,10 @@ def build_run(info: D.DistInfo, opts: TrainOptions, family: DraftFamily) -> Run:
     draft = _initial_draft(opts, family, head, aux, d2t, t2d)
     head.target_head.to(info.device)
     draft.to(info.device)
-    objective = family.objective(draft, head.target_head, opts.family, opts.attention)
+    objective = family.objective(draft, head.target_head, opts.family, opts.attention, loss=opts.loss_spec())
     model = D.wrap_model(objective, info, opts.fsdp)
-    optimizer = build_optimizer(model, lr=opts.lr, weight_decay=opts.weight_decay)
+    optimizer = build_optimizer(model, lr=opts.lr, weight_decay=opts.weight_decay, kind=opts.optimizer,
+                                muon_momentum=opts.muon_momentum, muon_weight_decay=opts.muon_weight_decay)
     meta = {"verifier": verifier_record(opts.verifier, head.config),
             "speculative_tokens": family.speculative_tokens(opts.family),
             "trained_with": {"algorithm": family.name, **options_record(opts.family),

@@ -74,6 +74,13 @@ def train(
     log_every: int = 1,
     progress: bool = True,
     trust_remote_code: bool = False,
+    loss: dict[str, float] | None = None,
+    position_weights: Literal["decay", "dpace"] = "decay",
+    dpace_alpha: float = 0.5,
+    optimizer: Literal["adamw", "muon"] = "adamw",
+    muon_momentum: float = 0.95,
+    muon_weight_decay: float = 0.1,
+    aux_noise_std: float = 0.0,
     **family_options: Any,
 ) -> dict[str, Any]:
     """Train a draft (EAGLE-3 by default) against a frozen verifier.
@@ -93,7 +100,7 @@ def train(
         pack: pack samples into one row with document ids (no attention across samples) instead of padding.
         max_length: truncate online samples to this many tokens.
         grad_accum: micro-batches per optimizer step and process.
-        lr: peak learning rate (AdamW).
+        lr: peak learning rate (AdamW, and Muon's with --optimizer muon).
         warmup_steps: linear warmup steps before the cosine decay.
         min_lr_ratio: final learning rate as a fraction of lr.
         weight_decay: AdamW weight decay (not applied to norm weights).
@@ -117,6 +124,19 @@ def train(
         log_every: write metrics every N steps.
         progress: show a progress bar.
         trust_remote_code: allow the verifier's custom code from the hub.
+        loss: loss terms and their weights (models/losses.py), e.g. {kl: 1.0} or {ce: 0.1, tv: 0.9}
+            (--loss kl=1.0 / --loss ce=0.1 tv=0.9): kl, rkl, jsd, tv, ce (to the verifier's argmax), lk (LK hybrid,
+            lam*KL + (1-lam)*TV with lam = exp(-3*alpha)); default: the family's own (forward KL; DFlash: ce).
+        position_weights: decay (each family's fixed per-position decay) or dpace (D-PACE: weights from the draft's
+            current per-position acceptance, along each chain).
+        dpace_alpha: D-PACE smoothing: each position's acceptance is (1 - a) * q + a.
+        optimizer: adamw, or muon (torch.optim.Muon on the 2-D hidden weight matrices, AdamW on embeddings,
+            lm_head, norms and biases; both at lr). Muon's Newton-Schulz runs in bf16, so DDP / FSDP2 runs (FSDP2:
+            on the sharded DTensors, orthogonalizing the full matrices) agree with one process only to bf16 rounding.
+        muon_momentum: Muon's momentum.
+        muon_weight_decay: Muon's weight decay.
+        aux_noise_std: std of Gaussian noise added to the verifier's aux hidden states in training (not in
+            validation); drawn from the seeded, checkpointed RNG, so runs and resumes are reproducible.
     """
     unknown = sorted(set(family_options) - set(FAMILIES))
     if unknown:
@@ -138,6 +158,16 @@ def train(
                     ("log_every", log_every)):
         if v < 1:
             raise UserError(f"{name} must be at least 1, got {v}")
+    for name, v in (("aux_noise_std", aux_noise_std), ("muon_weight_decay", muon_weight_decay),
+                    ("muon_momentum", muon_momentum)):
+        if not v >= 0:
+            raise UserError(f"{name} must be at least 0, got {v}")
+    from tiny_speculators.models.losses import LossSpec
+
+    try:
+        LossSpec.from_mapping(loss, position_weights, dpace_alpha)
+    except ValueError as e:
+        raise UserError(f"--loss / --position-weights: {e}") from None
     if attention == "flex":
         try:
             import torch.nn.attention.flex_attention  # noqa: F401
@@ -152,6 +182,9 @@ def train(
         keep_last=keep_last, resume=resume, seed=seed, precision=precision, attention=attention, fsdp=fsdp,
         device=device, init_from=init_from, init_lm_head=init_lm_head, aux_layer_ids=aux_layer_ids,
         log_every=log_every, progress=progress, trust_remote_code=trust_remote_code,
+        loss=dict(loss) if loss else None, position_weights=position_weights, dpace_alpha=dpace_alpha,
+        optimizer=optimizer, muon_momentum=muon_momentum, muon_weight_decay=muon_weight_decay,
+        aux_noise_std=aux_noise_std,
     )
     info = D.setup_distributed(device)
     try:
@@ -212,7 +245,8 @@ def _train(info: D.DistInfo, opts: TrainOptions) -> dict[str, Any]:
         "steps": state.step, "epochs_started": state.epoch + 1, "tokens_seen": state.tokens_seen,
         "world_size": info.world_size, "train_seconds": round(time.perf_counter() - t0, 2),
         "best_val_accept_len": state.best_accept, "final_train": result["train"], "final_val": result["val"],
-        "family_options": run.draft_meta["trained_with"], "draft_parameters": run.trainable_parameters,
+        "family_options": run.draft_meta["trained_with"], "recipe": opts.recipe(),
+        "draft_parameters": run.trainable_parameters,
         "out": str(out),
     }
     if info.is_main:

@@ -66,7 +66,8 @@ class FSDPStateIO:
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd = get_model_state_dict(self.model, options=opts)
         model_sd = {k.removeprefix("draft."): v for k, v in model_sd.items()}
-        optim_sd = get_optimizer_state_dict(self.model, self.optimizer, options=opts) if with_optimizer else None
+        optimizers = getattr(self.optimizer, "optimizers", self.optimizer)  # an OptimizerGroup: its members
+        optim_sd = get_optimizer_state_dict(self.model, optimizers, options=opts) if with_optimizer else None
         return model_sd, optim_sd
 
     def cpu_draft(self, model_sd: dict[str, torch.Tensor]) -> nn.Module:
@@ -83,7 +84,8 @@ class FSDPStateIO:
 
         opts = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.model, {f"draft.{k}": v for k, v in model_sd.items()}, options=opts)
-        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=optim_sd, options=opts)
+        optimizers = getattr(self.optimizer, "optimizers", self.optimizer)
+        set_optimizer_state_dict(self.model, optimizers, optim_state_dict=optim_sd, options=opts)
 
 
 def state_io(model: nn.Module, draft: nn.Module, optimizer: torch.optim.Optimizer, fsdp: bool) -> StateIO:

@@ -20,6 +20,7 @@ from tiny_speculators.models.dflash.proposer import DFlashProposer
 from tiny_speculators.models.eagle3.builder import draft_kwargs_from_verifier
 from tiny_speculators.models.family import BuildInputs, DraftFamily
 from tiny_speculators.models.importing import check_vocab_maps
+from tiny_speculators.models.losses import LossSpec
 
 
 @dataclass(frozen=True)
@@ -102,12 +103,13 @@ def build(inputs: BuildInputs, options: DFlashOptions) -> DFlashDraft:
     return draft
 
 
-def objective(draft: nn.Module, target_head: nn.Module, options: DFlashOptions, attention: str) -> DFlashObjective:
+def objective(draft: nn.Module, target_head: nn.Module, options: DFlashOptions, attention: str,
+              loss: LossSpec | None = None) -> DFlashObjective:
     if attention != "sdpa":
         raise UserError("DFlash trains with --attention sdpa (its block attention is explicit)")
     gamma = options.gamma if options.gamma is not None else default_gamma(draft.block_size)
     return DFlashObjective(draft, target_head, anchors=options.anchors, weighting=options.loss_weighting,
-                           gamma=gamma, dpace_alpha=options.dpace_alpha)
+                           gamma=gamma, dpace_alpha=options.dpace_alpha, loss=loss)
 
 
 FAMILY = DraftFamily(

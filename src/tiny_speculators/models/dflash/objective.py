@@ -24,14 +24,19 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint as grad_checkpoint
 
 from tiny_speculators.models.dflash.model import DFlashDraft
-from tiny_speculators.models.eagle3.loss import DenseTargets, TopKTargets
 from tiny_speculators.models.eagle3.ttt import positions_from_documents
 from tiny_speculators.models.family import StepOutput
+from tiny_speculators.models.losses import (
+    DenseTargets,
+    LossSpec,
+    TopKTargets,
+    combine_terms,
+    dpace_weights,
+    rowwise_losses,
+)
 
 KEEP = "_dflash_anchors"  # batch key: (anchors [B, N], valid [B, N]) set by loss_counts
 METRIC_KEYS = ("loss_sum", "wloss_sum", "count", "correct", "cond_correct", "cond_count")
@@ -106,18 +111,7 @@ def slot_weights(ce: torch.Tensor, valid: torch.Tensor, weighting: str, gamma: f
     if weighting == "exp":
         w = torch.exp(-(k - 1).clamp(min=0) / gamma).expand_as(ce)
         return w * valid
-    with torch.no_grad():  # D-PACE
-        m = valid.float()
-        smooth = torch.where(valid, (1 - alpha) * torch.exp(-ce.detach().float()) + alpha, torch.ones_like(m))
-        prefix = torch.cumprod(smooth, dim=1)
-        return torch.flip(torch.cumsum(torch.flip(prefix * m, [1]), 1), [1]) * m
-
-
-def _block_ce(draft: DFlashDraft, hidden: torch.Tensor, target_draft_ids: torch.Tensor):
-    """Per-row CE to ``target_draft_ids`` (-1: not in the draft vocab -> 0, counted wrong) and the draft argmax."""
-    logits = draft.compute_logits(hidden).float()  # (n, Vd)
-    ce = F.cross_entropy(logits, target_draft_ids.clamp(min=0), reduction="none")
-    return ce * (target_draft_ids >= 0), logits.argmax(dim=-1)
+    return dpace_weights(ce, valid, alpha)
 
 
 class DFlashObjective(nn.Module):
@@ -128,9 +122,14 @@ class DFlashObjective(nn.Module):
 
     def __init__(self, draft: DFlashDraft, target_head: nn.Module, *, anchors: int, weighting: str, gamma: float,
                  dpace_alpha: float = 0.5, chunk_size: int = 1024, anchor_chunk: int = 256,
-                 checkpoint: bool = True) -> None:
+                 checkpoint: bool = True, loss: LossSpec | None = None) -> None:
         super().__init__()
         self.draft = draft
+        self.loss = (loss or LossSpec()).resolved("ce")  # DFlash's own loss: CE to the verifier's token
+        if self.loss.position_weights == "dpace":  # the run's choice overrides the family's weighting
+            weighting, dpace_alpha = "dpace", self.loss.dpace_alpha
+        if weighting == "dpace" and "ce" not in self.loss.columns:
+            self.loss = LossSpec(terms=self.loss.terms, position_weights="dpace", dpace_alpha=dpace_alpha)
         self._head = (target_head,)  # hidden from parameters()/state_dict()/DDP broadcast
         self.block_size, self.anchors, self.weighting = draft.block_size, anchors, weighting
         self.gamma, self.dpace_alpha = gamma, dpace_alpha
@@ -155,28 +154,12 @@ class DFlashObjective(nn.Module):
         anchors, ok = self._anchors(batch)
         return self._slot_valid(batch, anchors, ok).sum(dim=(0, 1))[1:]
 
-    def _targets(self, batch: dict[str, Any], rows: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab id of the verifier's argmax (full vocab) at flat ``rows``; -1 outside the draft vocab."""
+    def _target_source(self, batch: dict[str, Any]):
         b, t = batch["input_ids"].shape
         if "target_topk_ids" in batch:
-            source = TopKTargets(batch["target_topk_ids"].reshape(b * t, -1),
-                                 batch["target_topk_logits"].reshape(b * t, -1), vocab_size=self.draft.t2d.numel())
-        else:
-            source = DenseTargets(batch["last_hidden_state"].reshape(b * t, -1), self._head[0])
-        draft = self.draft
-        cols = torch.arange(draft.draft_vocab_size, device=rows.device) + draft.d2t  # target id per draft id
-        index = torch.full((draft.t2d.numel(),), -1, dtype=torch.long, device=rows.device)
-        index[cols] = torch.arange(draft.draft_vocab_size, device=rows.device)
-        needed = torch.zeros(b * t, dtype=torch.bool, device=rows.device)
-        needed[rows] = True
-        full = torch.zeros(b * t, dtype=torch.long, device=rows.device)
-        with torch.no_grad():
-            for start in range(0, b * t, self.chunk_size):  # only the chunks holding a needed row
-                stop = min(start + self.chunk_size, b * t)
-                if needed[start:stop].any():
-                    full[start:stop] = source.chunk(start, stop, cols)[0]  # argmax over the full vocab
-        out = index[full[rows]]
-        return out
+            return TopKTargets(batch["target_topk_ids"].reshape(b * t, -1),
+                               batch["target_topk_logits"].reshape(b * t, -1), vocab_size=self.draft.t2d.numel())
+        return DenseTargets(batch["last_hidden_state"].reshape(b * t, -1), self._head[0])
 
     def forward(self, batch: dict[str, Any], loss_normalizer: torch.Tensor | None = None) -> StepOutput:
         ids = batch["input_ids"]
@@ -199,35 +182,33 @@ class DFlashObjective(nn.Module):
         hidden = torch.cat(hidden, dim=1)  # (B, N, L, H)
         sel = torch.nonzero(valid, as_tuple=True)
         rows = sel[0] * t + anchors[sel[0], sel[1]] + sel[2] - 1  # verifier row predicting x_{a+k}
-        target = self._targets(batch, rows)
         h = hidden[sel]  # (M, H)
-        ce_parts, pred_parts = [], []
-        for start in range(0, h.shape[0], self.chunk_size):
-            args = (self.draft, h[start:start + self.chunk_size], target[start:start + self.chunk_size])
-            if self.checkpoint and torch.is_grad_enabled():
-                ce, pred = grad_checkpoint(_block_ce, *args, use_reentrant=False)
-            else:
-                ce, pred = _block_ce(*args)
-            ce_parts.append(ce)
-            pred_parts.append(pred)
-        ce_flat = torch.cat(ce_parts) if ce_parts else h.new_zeros(0)
-        pred_flat = torch.cat(pred_parts) if pred_parts else target.new_zeros(0)
-        ce = hidden.new_zeros(valid.shape, dtype=torch.float32).index_put(sel, ce_flat)  # (B, N, L)
+        cols, has, pred_flat, target = rowwise_losses(self.draft, h, self._target_source(batch), rows, self.loss,
+                                                      chunk_size=self.chunk_size, checkpoint=self.checkpoint)
+        slot = sel[2]
+        rows_loss = cols.new_zeros(cols.shape[0])
+        for k in range(1, size):  # the LK weight is per slot (its mean acceptance rate)
+            at = slot == k
+            if bool(at.any()):
+                rows_loss = rows_loss.index_put((at.nonzero().squeeze(1),), combine_terms(self.loss, cols[at], has[at]))
+        ce_flat = cols[:, self.loss.columns.index("ce")] if "ce" in self.loss.columns else rows_loss
+        ce = hidden.new_zeros(valid.shape, dtype=torch.float32).index_put(sel, ce_flat)  # (B, N, L) for D-PACE
+        per = hidden.new_zeros(valid.shape, dtype=torch.float32).index_put(sel, rows_loss)  # (B, N, L)
         correct = torch.zeros_like(valid).index_put(sel, (pred_flat == target) & (target >= 0))
         weights = slot_weights(ce.view(-1, size), valid.view(-1, size), self.weighting, self.gamma,
                                self.dpace_alpha).view_as(ce)
-        wloss = (weights * ce).sum(dim=(0, 1))[1:]  # (L-1,)
+        wloss = (weights * per).sum(dim=(0, 1))[1:]  # (L-1,)
         counts = valid.sum(dim=(0, 1))[1:]
         denom = loss_normalizer.to(ids.device).float().sum() if loss_normalizer is not None else counts.sum().float()
         loss = wloss.sum() / denom.clamp(min=1)
-        if not ce_flat.requires_grad and torch.is_grad_enabled():  # no valid slot: keep every parameter in the graph
+        if not rows_loss.requires_grad and torch.is_grad_enabled():  # no valid slot: keep every parameter in the graph
             loss = loss + 0.0 * (self.draft.compute_logits(hidden[:, :1, 0]).float().sum()
                                  + sum(kv[0].sum() + kv[1].sum() for kv in context))
         chain = torch.cumprod((correct | ~valid).int(), dim=2).bool()  # all slots up to k right (or not counted)
         before = torch.cat([torch.ones_like(chain[..., :1]), chain[..., :-1]], dim=2)  # all slots < k right
         cond_count = (valid & before).sum(dim=(0, 1))[1:]
         cond_correct = (valid & before & correct).sum(dim=(0, 1))[1:]
-        metrics = {"loss_sum": ce.detach().sum(dim=(0, 1))[1:], "wloss_sum": wloss.detach(), "count": counts,
+        metrics = {"loss_sum": per.detach().sum(dim=(0, 1))[1:], "wloss_sum": wloss.detach(), "count": counts,
                    "correct": correct.sum(dim=(0, 1))[1:], "cond_correct": cond_correct, "cond_count": cond_count}
         return StepOutput(loss=loss, metrics=metrics)
 

@@ -17,6 +17,7 @@ from tiny_speculators.models.eagle3.model import Eagle3Draft
 from tiny_speculators.models.eagle3.objective import TTTModule
 from tiny_speculators.models.eagle3.proposer import Eagle3Proposer
 from tiny_speculators.models.family import BuildInputs, DraftFamily
+from tiny_speculators.models.losses import LossSpec
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,9 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return eagle3_default(num_layers)
 
 
-def objective(draft: nn.Module, target_head: nn.Module, options: Eagle3Options, attention: str) -> TTTModule:
-    return TTTModule(draft, target_head, options.ttt_steps, options.decay, attention)
+def objective(draft: nn.Module, target_head: nn.Module, options: Eagle3Options, attention: str,
+              loss: LossSpec | None = None) -> TTTModule:
+    return TTTModule(draft, target_head, options.ttt_steps, options.decay, attention, loss=loss)
 
 
 FAMILY = DraftFamily(

@@ -19,6 +19,7 @@ from torch import nn
 
 from tiny_speculators.models.eagle3.ttt import METRIC_KEYS, summarize_metrics, ttt_step, valid_anchors
 from tiny_speculators.models.family import StepOutput
+from tiny_speculators.models.losses import LossSpec
 
 STAT_KEYS = METRIC_KEYS
 
@@ -27,9 +28,10 @@ class TTTModule(nn.Module):
     """``forward(batch, loss_normalizer) -> StepOutput`` for ``draft`` (the only registered submodule)."""
 
     def __init__(self, draft: nn.Module, target_head: nn.Module, steps: int, decay: float, attention: str,
-                 chunk_size: int = 1024, checkpoint: bool = True) -> None:
+                 chunk_size: int = 1024, checkpoint: bool = True, loss: LossSpec | None = None) -> None:
         super().__init__()
         self.draft = draft
+        self.loss = (loss or LossSpec()).resolved("kl")  # the loss terms and position weights (models/losses.py)
         self._head = (target_head,)  # a tuple hides it from parameters()/state_dict()/DDP broadcast
         self.steps, self.decay, self.attention, self.chunk_size = steps, decay, attention, chunk_size
         self.checkpoint = checkpoint  # recompute draft logits blocks in backward (ttt_step's memory saver)
@@ -44,7 +46,7 @@ class TTTModule(nn.Module):
             loss_mask=batch["loss_mask"], **targets,
             position_ids=batch["position_ids"], document_ids=batch.get("document_ids"), steps=self.steps,
             decay=self.decay, attention=self.attention, chunk_size=self.chunk_size, checkpoint=self.checkpoint,
-            loss_normalizer=loss_normalizer,
+            loss_normalizer=loss_normalizer, loss=self.loss,
         )
         return StepOutput(loss=out.loss, metrics=out.metrics)
 

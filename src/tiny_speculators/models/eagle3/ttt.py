@@ -18,21 +18,22 @@ does after the verifier has read ``x_0..x_t``):
 * attention at step k (see ``attention.py``): causal over step-0 keys of the same document, plus the
   keys of steps 1..k at the same anchor — what the draft sees in vLLM's chain drafting.
 
-Loss: per step, forward KL(p || q) with ``p = softmax(verifier logits restricted to the draft vocab,
-i.e. columns i + d2t[i])`` and ``q = softmax(draft logits)``, summed over valid anchors:
-``loss_sums[k]``. ``loss = sum_k decay**k * loss_sums[k] / max(counts[k], 1)``. For exact gradient
-accumulation over micro-batches / ranks, pass ``loss_normalizer`` = the global per-step counts (the
-all-reduced ``counts`` of the whole optimizer step): then ``loss = sum_k decay**k * loss_sums[k] /
-loss_normalizer[k]`` and the micro-batch losses sum to the full-batch loss.
-Memory (``loss.py``): verifier logits are computed from ``last_hidden_state`` through ``target_head`` in chunks of
-``chunk_size`` rows (each chunk once, shared by all K steps, only its draft-vocab columns and
+Loss (``models/losses.py``, chosen by ``loss``: a :class:`LossSpec`, default forward KL): per step, the combined
+loss terms between ``p = softmax(verifier logits restricted to the draft vocab, i.e. columns i + d2t[i])`` and
+``q = softmax(draft logits)``, times each anchor's position weight (``decay**k``, or D-PACE), summed over valid
+anchors: ``loss_sums[k]``. ``loss = sum_k loss_sums[k] / max(counts[k], 1)``. For exact gradient accumulation over
+micro-batches / ranks, pass ``loss_normalizer`` = the global per-step counts (the all-reduced ``counts`` of the whole
+optimizer step): then ``loss = sum_k loss_sums[k] / loss_normalizer[k]`` and the micro-batch losses sum to the
+full-batch loss (the LK term's weight is a per-forward statistic, so with it this holds approximately).
+Memory (``models/losses.py``): verifier logits are computed from ``last_hidden_state`` through ``target_head`` in
+chunks of ``chunk_size`` rows (each chunk once, shared by all K steps, only its draft-vocab columns and
 full-vocab argmax kept), and each (chunk, step) draft-logit block is recomputed in backward
 (``torch.utils.checkpoint``), so no ``[K, N, V]`` tensor ever exists.
 
 Metrics (detached sums, so they aggregate exactly across batches and ranks: sum them, then call
 :func:`summarize_metrics`), all ``[K]`` tensors:
 
-* ``loss_sum``, ``count``: KL sum and number of valid anchors per step;
+* ``loss_sum``, ``count``: loss sum (unweighted by position) and number of valid anchors per step;
 * ``correct``: valid anchors where ``to_target_ids(argmax draft logits) == argmax`` of the verifier's
   logits over the FULL target vocab (a verifier argmax outside the draft vocab is always wrong);
 * ``cond_correct``, ``cond_count``: the same among anchors where all steps ``j < k`` were valid and
@@ -88,15 +89,9 @@ from tiny_speculators.models.eagle3.attention import (
     ttt_block_mask,
     ttt_mask_dense,
 )
-from tiny_speculators.models.eagle3.loss import (
-    METRIC_KEYS,
-    DenseTargets,
-    TopKTargets,
-    chain_metrics,
-    chunked_kl_loss,
-    summarize_metrics,
-)
+from tiny_speculators.models.eagle3.loss import METRIC_KEYS, chain_metrics, summarize_metrics
 from tiny_speculators.models.eagle3.model import Eagle3Draft, KVCache
+from tiny_speculators.models.losses import DenseTargets, LossSpec, TopKTargets, chunked_step_losses
 
 __all__ = ["METRIC_KEYS", "TTTOutput", "positions_from_documents", "rollout", "summarize_metrics", "ttt_step",
            "valid_anchors"]
@@ -105,7 +100,7 @@ __all__ = ["METRIC_KEYS", "TTTOutput", "positions_from_documents", "rollout", "s
 @dataclass
 class TTTOutput:
     loss: torch.Tensor  # scalar, differentiable
-    loss_sums: torch.Tensor  # [K] differentiable per-step KL sums over valid anchors
+    loss_sums: torch.Tensor  # [K] differentiable per-step sums of position weight x loss over valid anchors
     metrics: dict[str, torch.Tensor]  # detached [K] sums, keys METRIC_KEYS
 
 
@@ -194,8 +189,10 @@ def ttt_step(
     chunk_size: int = 1024,
     checkpoint: bool = True,
     loss_normalizer: torch.Tensor | None = None,
+    loss: LossSpec | None = None,
 ) -> TTTOutput:
-    """Roll the draft out ``steps`` times and compute the decayed KL loss and metric sums (module docstring)."""
+    """Roll the draft out ``steps`` times and compute the position-weighted loss (``loss``, default forward KL with
+    ``decay``; ``models/losses.py``) and metric sums (module docstring)."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     given = [target_logits is not None, last_hidden_state is not None and target_head is not None,
@@ -218,19 +215,20 @@ def ttt_step(
         targets = DenseTargets(target_logits.reshape(b * t, -1))
     else:
         targets = DenseTargets(last_hidden_state.reshape(b * t, -1), target_head)
-    loss_sums_t, correct = chunked_kl_loss(draft, [o.reshape(b * t, -1) for o in outs], valid, targets,
-                                           chunk_size=chunk_size, checkpoint=checkpoint)
+    out = chunked_step_losses(draft, [o.reshape(b * t, -1) for o in outs], valid, targets,
+                              (loss or LossSpec()).resolved("kl"),
+                              decay=decay, chunk_size=chunk_size, checkpoint=checkpoint)
+    correct = out.correct
     counts = valid.sum(dim=1)  # (K,)
-    weights = decay ** torch.arange(steps, device=device, dtype=torch.float32)
     denom = loss_normalizer.to(device).float() if loss_normalizer is not None else counts.clamp(min=1).float()
-    loss = (weights * loss_sums_t / denom.clamp(min=1e-12)).sum()
+    total = (out.weighted / denom.clamp(min=1e-12)).sum()
 
     cond_correct, cond_count = chain_metrics(valid, correct)
     metrics = {
-        "loss_sum": loss_sums_t.detach().clone(),
+        "loss_sum": out.sums,
         "count": counts,
         "correct": correct.sum(dim=1),
         "cond_correct": cond_correct,
         "cond_count": cond_count,
     }
-    return TTTOutput(loss=loss, loss_sums=loss_sums_t, metrics=metrics)
+    return TTTOutput(loss=total, loss_sums=out.weighted, metrics=metrics)

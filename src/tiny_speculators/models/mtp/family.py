@@ -20,6 +20,7 @@ from torch import nn
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.family import BuildInputs, DraftFamily
+from tiny_speculators.models.losses import LossSpec
 from tiny_speculators.models.mtp import stitched
 from tiny_speculators.models.mtp.model import BIASES, LAYER_TENSORS, MTPDraft
 from tiny_speculators.models.mtp.objective import MTPObjective
@@ -104,8 +105,9 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return [num_layers]
 
 
-def objective(draft: nn.Module, target_head: nn.Module, options: MTPOptions, attention: str) -> MTPObjective:
-    return MTPObjective(draft, target_head, options.steps, options.beta, attention)
+def objective(draft: nn.Module, target_head: nn.Module, options: MTPOptions, attention: str,
+              loss: LossSpec | None = None) -> MTPObjective:
+    return MTPObjective(draft, target_head, options.steps, options.beta, attention, loss=loss)
 
 
 FAMILY = DraftFamily(

@@ -5,8 +5,9 @@ layer's own output of step k-1 and ``x_{t+k}``, at position ``pos[t] + k - 1``, 
 its document up to ``t`` and its own chain: exactly EAGLE-3's training-time-test rollout (``eagle3/ttt.py``), so
 that rollout, its chunked KL loss to the verifier and its metrics are reused with the MTP layer as the draft.
 
-Loss: ``sum_k w_k * KL_k / count_k`` with ``w_k = beta**(k-1) / sum_j beta**(j-1)`` (normalized, beta = 0.6),
-the counts over the whole optimizer step (``loss_counts``), so micro-batches and ranks add up exactly.
+Loss (``models/losses.py``; forward KL unless the run chooses others): ``sum_k w_k * loss_k / count_k`` with
+``w_k = beta**(k-1) / sum_j beta**(j-1)`` (normalized, beta = 0.6; or D-PACE's weights over the normalizer), the
+counts over the whole optimizer step (``loss_counts``), so micro-batches and ranks add up exactly.
 
 MTP needs the verifier's last pre-norm hidden state in every batch: online training has it, and so do the
 ``full`` and ``fp8`` extract layouts; the top-k layouts drop it (a one-line error says so).
@@ -24,6 +25,7 @@ from tiny_speculators.errors import UserError
 from tiny_speculators.models.eagle3.objective import STAT_KEYS, step_counts, summarize
 from tiny_speculators.models.eagle3.ttt import ttt_step
 from tiny_speculators.models.family import StepOutput
+from tiny_speculators.models.losses import LossSpec
 
 __all__ = ["MTPObjective", "step_weights_sum"]
 
@@ -36,9 +38,10 @@ class MTPObjective(nn.Module):
     """``forward(batch, loss_normalizer) -> StepOutput`` for the MTP layer (the only registered submodule)."""
 
     def __init__(self, draft: nn.Module, target_head: nn.Module, steps: int, beta: float, attention: str,
-                 chunk_size: int = 1024, checkpoint: bool = True) -> None:
+                 chunk_size: int = 1024, checkpoint: bool = True, loss: LossSpec | None = None) -> None:
         super().__init__()
         self.draft = draft
+        self.loss = (loss or LossSpec()).resolved("kl")
         self._head = (target_head,)  # hidden from parameters()/state_dict()/DDP
         self.steps, self.beta, self.attention, self.chunk_size = steps, beta, attention, chunk_size
         self.checkpoint = checkpoint
@@ -54,6 +57,7 @@ class MTPObjective(nn.Module):
             last_hidden_state=last, target_head=self._head[0], position_ids=batch["position_ids"],
             document_ids=batch.get("document_ids"), steps=self.steps, decay=self.beta, attention=self.attention,
             chunk_size=self.chunk_size, checkpoint=self.checkpoint, loss_normalizer=loss_normalizer,
+            loss=self.loss,
         )
         return StepOutput(loss=out.loss / self.norm, metrics=out.metrics)
 

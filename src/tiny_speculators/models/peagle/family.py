@@ -16,6 +16,7 @@ from tiny_speculators.models.eagle3.builder import draft_kwargs_from_verifier
 from tiny_speculators.models.eagle3.family import default_aux_layer_ids, resolve_layer_type
 from tiny_speculators.models.family import BuildInputs, DraftFamily
 from tiny_speculators.models.importing import check_vocab_maps
+from tiny_speculators.models.losses import LossSpec
 from tiny_speculators.models.peagle import speculators
 from tiny_speculators.models.peagle.model import PEagleDraft
 from tiny_speculators.models.peagle.objective import PEagleObjective
@@ -95,10 +96,12 @@ def build(inputs: BuildInputs, options: PEagleOptions) -> PEagleDraft:
     return draft
 
 
-def objective(draft: nn.Module, target_head: nn.Module, options: PEagleOptions, attention: str) -> PEagleObjective:
+def objective(draft: nn.Module, target_head: nn.Module, options: PEagleOptions, attention: str,
+              loss: LossSpec | None = None) -> PEagleObjective:
     if attention != "sdpa":
         raise UserError("P-EAGLE trains with --attention sdpa (its depth masks are explicit)")
-    return PEagleObjective(draft, target_head, options.depths, options.ratio, options.ratio_min, options.decay)
+    return PEagleObjective(draft, target_head, options.depths, options.ratio, options.ratio_min, options.decay,
+                           loss=loss)
 
 
 FAMILY = DraftFamily(

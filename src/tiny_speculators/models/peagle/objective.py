@@ -17,8 +17,9 @@ depth 0, so chains are prefixes of depths. Sampling uses torch's global RNG (che
 exact) and happens in :meth:`PEagleObjective.loss_counts`, which stores the choice in the batch for
 ``forward``. Validation (``eval()``) keeps every anchor at every depth.
 
-Loss: per depth, KL(verifier || draft) summed over its elements (chunked, as EAGLE-3's); the total is
-``sum_d decay**d * loss_d / count_d`` with counts over the whole optimizer step, i.e. each depth's mean.
+Loss: per depth, the run's loss terms (``models/losses.py``, forward KL by default) summed over its elements
+(chunked, as EAGLE-3's); the total is ``sum_d decay**d * loss_d / count_d`` (or D-PACE's weights) with counts
+over the whole optimizer step, i.e. each depth's mean.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ import torch
 from torch import nn
 
 from tiny_speculators.models.eagle3.attention import PackedTTTMask, document_blocks
-from tiny_speculators.models.eagle3.loss import METRIC_KEYS, DenseTargets, TopKTargets, chain_metrics, chunked_kl_loss
+from tiny_speculators.models.eagle3.loss import METRIC_KEYS, chain_metrics
 from tiny_speculators.models.eagle3.model import KVCache
 from tiny_speculators.models.eagle3.objective import summarize
 from tiny_speculators.models.eagle3.ttt import positions_from_documents, valid_anchors
 from tiny_speculators.models.family import StepOutput
+from tiny_speculators.models.losses import DenseTargets, LossSpec, TopKTargets, chunked_step_losses
 from tiny_speculators.models.peagle.model import PEagleDraft
 
 KEEP = "_peagle_keep"  # batch key: the sampled anchors per depth (flat indices), set by loss_counts
@@ -125,9 +127,11 @@ class PEagleObjective(nn.Module):
     """``forward(batch, loss_normalizer) -> StepOutput`` for a :class:`PEagleDraft` (the only registered submodule)."""
 
     def __init__(self, draft: PEagleDraft, target_head: nn.Module, depths: int, ratio: float, ratio_min: float,
-                 decay: float = 1.0, chunk_size: int = 1024, checkpoint: bool = True) -> None:
+                 decay: float = 1.0, chunk_size: int = 1024, checkpoint: bool = True,
+                 loss: LossSpec | None = None) -> None:
         super().__init__()
         self.draft = draft
+        self.loss = (loss or LossSpec()).resolved("kl")
         self._head = (target_head,)  # hidden from parameters()/state_dict()/DDP broadcast
         self.depths, self.ratio, self.ratio_min, self.decay = depths, ratio, ratio_min, decay
         self.chunk_size, self.checkpoint = chunk_size, checkpoint
@@ -167,14 +171,14 @@ class PEagleObjective(nn.Module):
                                   batch["target_topk_logits"].reshape(b * t, -1), vocab_size=self.draft.t2d.numel())
         else:
             targets = DenseTargets(batch["last_hidden_state"].reshape(b * t, -1), self._head[0])
-        loss_sums, correct = chunked_kl_loss(self.draft, outs, valid, targets, chunk_size=self.chunk_size,
-                                             checkpoint=self.checkpoint)
+        out = chunked_step_losses(self.draft, outs, valid, targets, self.loss, decay=self.decay,
+                                  chunk_size=self.chunk_size, checkpoint=self.checkpoint)
+        correct = out.correct
         counts = valid.sum(dim=1)
-        weights = self.decay ** torch.arange(self.depths, device=ids.device, dtype=torch.float32)
         denom = loss_normalizer.to(ids.device).float() if loss_normalizer is not None else counts.clamp(min=1).float()
-        loss = (weights * loss_sums / denom.clamp(min=1e-12)).sum()
+        loss = (out.weighted / denom.clamp(min=1e-12)).sum()
         cond_correct, cond_count = chain_metrics(valid, correct)
-        metrics = {"loss_sum": loss_sums.detach().clone(), "count": counts, "correct": correct.sum(dim=1),
+        metrics = {"loss_sum": out.sums, "count": counts, "correct": correct.sum(dim=1),
                    "cond_correct": cond_correct, "cond_count": cond_count}
         return StepOutput(loss=loss, metrics=metrics)
 
