@@ -17,7 +17,7 @@ from tiny_speculators.models.dflash import family as dflash_family
 from tiny_speculators.models.dflash.model import DFlashDraft
 from tiny_speculators.models.dflash.objective import default_gamma
 from tiny_speculators.models.dspark import speculators
-from tiny_speculators.models.dspark.loss import LossWeights
+from tiny_speculators.models.losses import LossSpec
 from tiny_speculators.models.dspark.model import DSparkDraft
 from tiny_speculators.models.dspark.objective import DSparkObjective
 from tiny_speculators.models.dspark.proposer import DSparkProposer
@@ -102,7 +102,10 @@ def build(inputs: BuildInputs, options: DSparkOptions) -> DSparkDraft:
     return from_dflash(backbone, options)
 
 
-def objective(draft: nn.Module, target_head: nn.Module, options: DSparkOptions, attention: str) -> DSparkObjective:
+def objective(draft: nn.Module, target_head: nn.Module, options: DSparkOptions, attention: str,
+              loss: LossSpec | None = None) -> DSparkObjective:
+    """The run's ``loss`` choice replaces DSpark's token loss (``ce_weight`` / ``tv_weight``) when it names terms;
+    the confidence BCE is always added (``confidence_weight``)."""
     if attention != "sdpa":
         raise UserError("DSpark trains with --attention sdpa (its block attention is explicit)")
     if not isinstance(draft, DSparkDraft):
@@ -111,9 +114,14 @@ def objective(draft: nn.Module, target_head: nn.Module, options: DSparkOptions, 
         raise UserError(f"the draft has block_size {draft.block_size} / sample_from_anchor {draft.sample_from_anchor}, "
                         f"the options ask for {options.block_size} / {options.sample_from_anchor}")
     gamma = options.gamma if options.gamma is not None else default_gamma(draft.block_size)
-    weights = LossWeights(ce=options.ce_weight, tv=options.tv_weight,
-                          bce=options.confidence_weight if draft.confidence_head is not None else 0.0)
-    return DSparkObjective(draft, target_head, anchors=options.anchors, gamma=gamma, loss_weights=weights)
+    if loss is None or loss.terms is None:
+        own = tuple((n, w) for n, w in (("ce", options.ce_weight), ("tv", options.tv_weight)) if w)
+        if not own:
+            raise UserError("dspark: ce_weight and tv_weight are both 0: no token loss")
+        loss = LossSpec(terms=own, position_weights=loss.position_weights if loss else "decay",
+                        dpace_alpha=loss.dpace_alpha if loss else 0.5)
+    return DSparkObjective(draft, target_head, anchors=options.anchors, gamma=gamma, loss=loss,
+                           confidence_weight=options.confidence_weight)
 
 
 def speculative_tokens(options: DSparkOptions) -> int:

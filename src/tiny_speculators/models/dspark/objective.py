@@ -7,8 +7,11 @@ block_size - 1), and its Markov bias / confidence read the previous token ``x_{a
 token, which the drafted chain has whenever this slot's token matters). It counts where ``x_{a+1} .. x_{a+j+1}`` are
 all loss positions of ``a``'s row and document (the contiguous prefix, as the peers' eval mask).
 
-Loss: ``sum_{valid} w_j (0.1 ce + 0.9 tv + 1.0 bce) / #valid slots of the optimizer step`` with DFlash's slot weights
-(``w_j = exp(-j / gamma)``). Metrics per prediction index: the loss terms, greedy accuracy and conditional
+Loss: ``sum_{valid} w_j (token_j + c * bce_j) / #valid slots of the optimizer step``. ``token_j`` is the run's loss
+choice (``models/losses.py``; DSpark's own default: ``0.1 ce + 0.9 tv``, the peers' split, from the options; LK's
+weight uses prediction j's mean acceptance in this forward), ``bce_j = BCE(confidence_j, 1 - tv_j)`` with the target
+detached, ``c`` the confidence weight. ``w_j``: DFlash's ``exp(-j / gamma)``, or D-PACE along each block's chain of
+predictions when the run asks for it. Metrics per prediction index: the loss terms, greedy accuracy and conditional
 accuracy (``accept_len`` as DFlash), the expected acceptance ``1 - tv`` and the mean predicted confidence.
 """
 
@@ -18,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as grad_checkpoint
 
@@ -28,9 +32,8 @@ from tiny_speculators.models.dflash.objective import (
     slot_targets_valid,
     slot_weights,
 )
-from tiny_speculators.models.dspark.loss import LossWeights, slot_terms
 from tiny_speculators.models.dspark.model import DSparkDraft
-from tiny_speculators.models.eagle3.loss import DenseTargets, TopKTargets
+from tiny_speculators.models.losses import DenseTargets, LossSpec, TopKTargets, combine_terms, dpace_weights, row_columns
 from tiny_speculators.models.eagle3.ttt import positions_from_documents
 from tiny_speculators.models.family import StepOutput
 
@@ -53,29 +56,36 @@ def prediction_valid(loss_mask: torch.Tensor, doc: torch.Tensor, predictions: in
     return torch.cumprod(valid.int(), dim=2).bool()
 
 
-def _rows(draft: DSparkDraft, hidden, prev, target_ids, target_logp, weights, loss_weights: LossWeights):
-    """Weighted loss sum and per-row terms of ``hidden [c, H]`` (pre-norm) with previous tokens ``prev [c]``."""
+def _rows(draft: DSparkDraft, hidden, prev, target_ids, target_logp, columns: tuple[str, ...]):
+    """Per-row loss columns ``[c, C]`` (``columns``, from ``models/losses.py``), whether the verifier has a distribution
+    ``[c]``, confidence logits ``[c]`` (zeros without a head) and the greedy prediction, for ``hidden [c, H]``
+    (pre-norm) with previous tokens ``prev [c]``."""
     logits, conf = draft.heads(hidden, prev)
-    terms = slot_terms(logits, target_logp, target_ids, conf)
-    total = (weights * loss_weights.combine(terms)).sum()
-    conf_p = torch.sigmoid(conf) if conf is not None else torch.zeros_like(terms["tv"])
-    bce = terms.get("bce", torch.zeros_like(terms["tv"]))
-    return total, terms["ce"], terms["tv"], terms["accept"], bce, conf_p, logits.argmax(dim=-1)
+    logq = F.log_softmax(logits.float(), dim=-1)
+    cols = row_columns(logq, target_logp, target_ids, columns)
+    has = (target_logp > float("-inf")).any(dim=-1)
+    conf = conf.float() if conf is not None else cols.new_zeros(cols.shape[0])
+    return cols, has, conf, logits.argmax(dim=-1)
 
 
 class DSparkObjective(nn.Module):
     """``forward(batch, loss_normalizer) -> StepOutput`` for a :class:`DSparkDraft`; loss groups: the P predictions."""
 
     def __init__(self, draft: DSparkDraft, target_head: nn.Module, *, anchors: int, gamma: float,
-                 loss_weights: LossWeights | None = None, chunk_size: int = 1024, anchor_chunk: int = 256,
-                 checkpoint: bool = True) -> None:
+                 loss: LossSpec | None = None, confidence_weight: float = 1.0, chunk_size: int = 1024,
+                 anchor_chunk: int = 256, checkpoint: bool = True) -> None:
         super().__init__()
         self.draft = draft
         self._head = (target_head,)  # hidden from parameters()/state_dict()/DDP broadcast
         self.block_size, self.predictions = draft.block_size, draft.max_tokens
         self.first_slot = 0 if draft.sample_from_anchor else 1
         self.anchors, self.gamma = anchors, gamma
-        self.loss_weights = loss_weights or LossWeights()
+        spec = loss if loss is not None and loss.terms is not None else LossSpec(
+            terms=(("ce", 0.1), ("tv", 0.9)), position_weights=loss.position_weights if loss else "decay",
+            dpace_alpha=loss.dpace_alpha if loss else 0.5)
+        self.loss = spec
+        self.columns = tuple(dict.fromkeys((*spec.columns, "ce", "tv")))  # + what the metrics and the BCE read
+        self.confidence_weight = confidence_weight if draft.confidence_head is not None else 0.0
         self.chunk_size, self.anchor_chunk, self.checkpoint = chunk_size, anchor_chunk, checkpoint
 
     def _anchors(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,32 +144,52 @@ class DSparkObjective(nn.Module):
         cols = torch.arange(draft.draft_vocab_size, device=ids.device) + draft.d2t  # target id per draft id
         index = torch.full((draft.t2d.numel(),), -1, dtype=torch.long, device=ids.device)
         index[cols] = torch.arange(draft.draft_vocab_size, device=ids.device)
-        h, w = hidden[sel], weights[sel]  # (M, H), (M,)
+        h = hidden[sel]  # (M, H)
         parts, targets = [], []
         for start in range(0, h.shape[0], self.chunk_size):
             stop = min(start + self.chunk_size, h.shape[0])
             with torch.no_grad():
                 argmax, logp = source.chunk(start, stop, cols)
             targets.append(index[argmax])
-            args = (draft, h[start:stop], prev[start:stop], targets[-1], logp, w[start:stop], self.loss_weights)
+            args = (draft, h[start:stop], prev[start:stop], targets[-1], logp, self.columns)
             if self.checkpoint and torch.is_grad_enabled():
                 parts.append(grad_checkpoint(_rows, *args, use_reentrant=False))
             else:
                 parts.append(_rows(*args))
         grid = valid.shape
+        at = {c: i for i, c in enumerate(self.columns)}
+        if parts:
+            row_cols, has, conf_logit, pred_flat = (torch.cat([p[i] for p in parts]) for i in range(4))
+        else:
+            row_cols = torch.zeros(0, len(self.columns), device=ids.device)
+            has, conf_logit = torch.zeros(0, dtype=torch.bool, device=ids.device), torch.zeros(0, device=ids.device)
+            pred_flat = torch.zeros(0, dtype=torch.long, device=ids.device)
+        accept_flat = (1.0 - row_cols[:, at["tv"]].detach()).clamp(0.0, 1.0)
+        bce_flat = F.binary_cross_entropy_with_logits(conf_logit, accept_flat, reduction="none")
+        token_flat = torch.zeros_like(accept_flat)
+        for j in range(n_pred):  # LK's weight is per prediction index
+            in_j = sel[2] == j
+            if bool(in_j.any()):
+                token_flat = token_flat.index_put((in_j.nonzero(as_tuple=True)[0],),
+                                                  combine_terms(self.loss, row_cols[in_j], has[in_j]))
 
-        def scatter(i: int, dtype: torch.dtype) -> torch.Tensor:
-            flat = torch.cat([p[i] for p in parts]).detach() if parts else torch.zeros(0, device=ids.device)
-            return torch.zeros(grid, dtype=dtype, device=ids.device).index_put(sel, flat.to(dtype))
+        def scatter(flat: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.zeros(grid, dtype=dtype, device=ids.device).index_put(sel, flat.detach().to(dtype))
 
-        ce, tv, accept, bce, conf_p = (scatter(i, torch.float32) for i in range(1, 6))
-        pred = scatter(6, torch.long)
+        ce, tv, accept, bce = (scatter(row_cols[:, at["ce"]]), scatter(row_cols[:, at["tv"]]), scatter(accept_flat),
+                               scatter(bce_flat))
+        conf_p = scatter(torch.sigmoid(conf_logit)) if draft.confidence_head is not None else torch.zeros(grid,
+                                                                                                        device=ids.device)
+        pred = scatter(pred_flat, torch.long)
         target = torch.full(grid, -1, dtype=torch.long, device=ids.device).index_put(
             sel, torch.cat(targets) if targets else torch.zeros(0, dtype=torch.long, device=ids.device))
+        if self.loss.position_weights == "dpace":  # along each block's chain of predictions, from its CE (no grad)
+            weights = dpace_weights(ce.view(-1, n_pred), valid.view(-1, n_pred), self.loss.dpace_alpha).view(grid)
+        w = weights[sel]
         counts = valid.sum(dim=(0, 1))  # (P,)
         denom = loss_normalizer.to(ids.device).float().sum() if loss_normalizer is not None else counts.sum().float()
         if parts:
-            loss = sum(p[0] for p in parts) / denom.clamp(min=1)
+            loss = (w * (token_flat + self.confidence_weight * bce_flat)).sum() / denom.clamp(min=1)
         else:  # no valid slot: a zero loss that keeps every parameter in the graph (DDP)
             logits0, conf0 = draft.heads(hidden.new_zeros(b, draft.hidden_size) + hidden.sum() * 0,
                                          torch.zeros(b, dtype=torch.long, device=ids.device))
@@ -168,7 +198,7 @@ class DSparkObjective(nn.Module):
         correct = valid & (pred == target) & (target >= 0)
         chain = torch.cumprod((correct | ~valid).int(), dim=2).bool()
         before = torch.cat([torch.ones_like(chain[..., :1]), chain[..., :-1]], dim=2)  # all predictions < j right
-        per_slot = self.loss_weights.combine({"ce": ce, "tv": tv, "bce": bce})
+        per_slot = scatter(token_flat) + self.confidence_weight * bce
         metrics = {"wloss_sum": (weights * per_slot * valid).sum(dim=(0, 1)), "count": counts,
                    "ce_sum": ce.sum(dim=(0, 1)), "tv_sum": tv.sum(dim=(0, 1)), "bce_sum": bce.sum(dim=(0, 1)),
                    "accept_sum": accept.sum(dim=(0, 1)), "conf_sum": conf_p.sum(dim=(0, 1)),
