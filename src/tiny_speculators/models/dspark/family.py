@@ -17,11 +17,11 @@ from tiny_speculators.models.dflash import family as dflash_family
 from tiny_speculators.models.dflash.model import DFlashDraft
 from tiny_speculators.models.dflash.objective import default_gamma
 from tiny_speculators.models.dspark import speculators
-from tiny_speculators.models.losses import LossSpec
 from tiny_speculators.models.dspark.model import DSparkDraft
 from tiny_speculators.models.dspark.objective import DSparkObjective
 from tiny_speculators.models.dspark.proposer import DSparkProposer
 from tiny_speculators.models.family import BuildInputs, DraftFamily
+from tiny_speculators.models.losses import LossSpec
 
 
 @dataclass(frozen=True)

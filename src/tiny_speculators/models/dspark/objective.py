@@ -33,9 +33,16 @@ from tiny_speculators.models.dflash.objective import (
     slot_weights,
 )
 from tiny_speculators.models.dspark.model import DSparkDraft
-from tiny_speculators.models.losses import DenseTargets, LossSpec, TopKTargets, combine_terms, dpace_weights, row_columns
 from tiny_speculators.models.eagle3.ttt import positions_from_documents
 from tiny_speculators.models.family import StepOutput
+from tiny_speculators.models.losses import (
+    DenseTargets,
+    LossSpec,
+    TopKTargets,
+    combine_terms,
+    dpace_weights,
+    row_columns,
+)
 
 KEEP = "_dspark_anchors"  # batch key: (anchors [B, N], valid [B, N]) set by loss_counts
 METRIC_KEYS = ("wloss_sum", "count", "ce_sum", "tv_sum", "bce_sum", "accept_sum", "conf_sum", "correct",
