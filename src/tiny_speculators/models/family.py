@@ -169,6 +169,7 @@ class DraftFamily:
     notes: dict[str, str] = field(default_factory=dict)
     fixed_aux_layer_ids: bool = False  # it always reads default_aux_layer_ids(N) (e.g. MTP: [N], the last state)
     reads_verifier_files: bool = False  # build reads weights from the verifier's own files (BuildInputs.verifier_path)
+    uses_verifier_vocab: bool = False  # it predicts over the verifier's whole vocabulary: train needs no --vocab
 
     def format(self, name: str | None = None) -> DraftFormat:
         if name is None:

@@ -122,4 +122,5 @@ FAMILY = DraftFamily(
     speculative_tokens=lambda options: options.steps,
     fixed_aux_layer_ids=True,
     reads_verifier_files=True,
+    uses_verifier_vocab=True,
 )
