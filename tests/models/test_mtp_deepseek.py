@@ -126,7 +126,7 @@ def test_forward_matches_vllm_equations_in_float64_and_fixed_numbers(dense):
     pos = torch.arange(6)
     out = draft(ids[None], draft.fuse(h[None]), pos[None])
     want = reference(_checkpoint_names(draft), fields, ids, h, pos)
-    torch.testing.assert_close(out.logits[0].double(), want, atol=2e-5, rtol=0)
+    torch.testing.assert_close(out.logits[0].double(), want, atol=5e-6, rtol=0)  # measured: 1e-6
     torch.testing.assert_close(out.logits, draft.lm_head(out.hidden_states))  # y is fed back, logits = head(y)
     expected = {False: [-0.0670082, -0.1224444, 0.0112009, 0.1275495, 0.0469331],  # tokens routed to experts
                 True: [0.0450172, 0.0689976, -0.0135697, -0.0751824, -0.0206965]}[dense]  # {3,2} and {0,1}

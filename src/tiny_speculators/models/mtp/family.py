@@ -1,12 +1,14 @@
 """MTP (fine-tune a verifier's own multi-token-prediction layer, FastMTP-style) as a draft family.
 
     train: {algorithm: mtp, mtp: {steps: 3, beta: 0.6}}                  # YAML
-    tiny-speculators train --verifier path/to/MiMo --data runs/prepared --online --vocab runs/vocab \
+    tiny-speculators train --verifier path/to/MiMo --data runs/prepared --online \
         --algorithm mtp --mtp-steps 3 --out runs/mtp                    # then: export, vllm serve (method mtp)
+    tiny-speculators train ... --algorithm mtp --init-from runs/mtp     # fine-tune further (or from its export)
 
-The layer is read from the verifier's own safetensors (``weights.py``); ``--mtp-init random`` starts a fresh one
-for a verifier without MTP weights. The draft reads the verifier's last hidden state (aux layer id N) and the
-whole vocabulary (the vocab stage's draft vocabulary is not used: the lm_head is the verifier's).
+The layer is read from the verifier's own safetensors (``weights.py``; MiMo or DeepSeek-V3 layout, chosen by the
+verifier's config); ``--mtp-init random`` starts a fresh one for a verifier without MTP weights. The draft reads
+the verifier's last hidden state (aux layer id N) and predicts over its whole vocabulary (``uses_verifier_vocab``:
+train needs no ``--vocab``; the lm_head is the verifier's).
 """
 
 from __future__ import annotations
@@ -63,8 +65,10 @@ def _layer_weights(path: str, draft: MTPDraft, options: MTPOptions) -> dict[str,
                         "in its safetensors): pass --mtp-init random to train a fresh MTP layer")
     layout, count = found
     if layout != draft.layout:
+        hint = " (no kv_lora_rank: only DeepSeek-V3's MLA layer is implemented for it, not e.g. GLM-4.5's)" \
+            if layout == "deepseek_v3" else ""
         raise UserError(f"verifier {path} has {layout}-layout MTP layers, but its config.json describes a "
-                        f"{draft.layout} model")
+                        f"{draft.layout} model{hint}")
     if options.layer >= count:
         raise UserError(f"--mtp-layer {options.layer}: verifier {path} has {count} MTP layer(s)")
     prefix = stitched.layer_prefix(draft.kwargs)
