@@ -234,3 +234,29 @@ def test_bad_router_and_missing_tensors_are_one_line_errors(tiny_deepseek_dir, t
         family.build(_inputs(bad), family.options())
     fresh = family.build(_inputs(bad), family.options(init="random"))  # a fresh layer needs none of them
     assert fresh.layout == "deepseek_v3" and float(fresh.mlp.experts.down_proj.detach().abs().sum()) > 0
+
+
+def test_a_verifier_without_mtp_weights_errors_or_gets_a_fresh_layer_stitched_whole(tiny_deepseek_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tiny_speculators.export.stage import export
+    from tiny_speculators.models import get_family
+    from tiny_speculators.models.checkpoint import save_draft
+
+    family = get_family("mtp")
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_deepseek_dir, bare)
+    full = load_file(str(bare / "model.safetensors"))
+    save_file({k: v for k, v in full.items() if not k.startswith("model.layers.2.")}, str(bare / "model.safetensors"))
+    with pytest.raises(UserError, match=r"has no MTP weights .*model.layers.2.eh_proj.*--mtp-init random"):
+        family.build(_inputs(bare), family.options())
+    fresh = family.build(_inputs(bare), family.options(init="random"))
+    save_draft(tmp_path / "ckpt", fresh, {"verifier": {"name_or_path": str(bare), "architectures": [],
+                                                        "hidden_size": 64, "vocab_size": fresh.kwargs["vocab_size"]}})
+    export(tmp_path / "ckpt", out=tmp_path / "out", dtype="float32")
+    ours = load_file(str(tmp_path / "out" / "model.safetensors"))
+    # the whole layer vLLM loads (its shared_head.head = the verifier's lm_head); the embedding stays top-level
+    assert set(ours) == set(full) - {"model.layers.2.embed_tokens.weight"}
+    assert torch.equal(ours["model.layers.2.shared_head.head.weight"], full["lm_head.weight"])

@@ -110,6 +110,8 @@ def write(draft, info: ExportInfo) -> tuple[dict[str, Any], dict[str, torch.Tens
         if theirs in state and not torch.equal(state[theirs].to(shared[ours].dtype).cpu(), shared[ours].cpu()):
             raise UserError(f"{folder}: {theirs} differs from the draft's: the draft belongs to another verifier")
     layer = draft.layer_state()
+    if layout == "deepseek_v3" and head not in state:  # a fresh layer (--mtp-init random): vLLM loads its own head
+        layer["shared_head.head.weight"] = shared["lm_head.weight"]
     if layout == "mimo":  # the whole layer is ours; DeepSeek-V3's layer also holds the verifier's head/embedding
         state = {k: v for k, v in state.items() if not k.startswith(prefix)}
     else:
@@ -141,7 +143,7 @@ def detect(cfg: Mapping[str, Any]) -> bool:
 def read(directory: Path, raw: Mapping[str, Any], tensors: dict[str, torch.Tensor]):
     where = f"{Path(directory) / 'config.json'} (a verifier with MTP layers)"
     require(raw, ["num_nextn_predict_layers"], where)
-    kwargs = draft_kwargs(raw, where)
+    kwargs = {**draft_kwargs(raw, where), "aux_layer_ids": [int(raw["num_hidden_layers"])]}  # the last state
     prefix = layer_prefix(kwargs)
     embed = tensors.get("model.embed_tokens.weight")
     if embed is None:
