@@ -1,7 +1,8 @@
 """MTP through the same loop on a tiny MiMo verifier: offline == online (the last pre-norm state is what both feed),
 2-process DDP == one process, kill + resume == uninterrupted, it learns, a top-k extraction is refused, and the
 train output exports as the stitched verifier checkpoint. On a tiny DeepSeek-V3 verifier, without a vocab stage:
-it learns, evaluates lossless with our proposer, and ``--init-from`` resumes from the train output or its export.
+online == offline, it learns, evaluates lossless with our proposer, and ``--init-from`` resumes from the train output
+or its export.
 
     pytest -q tests/train/test_train_mtp.py
 """
@@ -102,8 +103,11 @@ def test_mtp_deepseek_learns_evaluates_lossless_and_resumes_from_its_export(deep
     common = dict(verifier=str(tiny_deepseek_dir), hidden_states=deepseek_inputs / "hs", eval_fraction=0.0,
                   warmup_steps=0, progress=False, seed=3, save_every=0, batch_size=4, lr=3e-3, algorithm="mtp",
                   mtp={"steps": 2})
+    online = {**common, "hidden_states": None, "data": deepseek_inputs / "prepared", "online": True}
+    on = train(out=tmp_path / "on", max_steps=1, **online)  # the verifier's own last pre-norm state, live
     run = train(out=tmp_path / "run", max_steps=12, **common)  # no --vocab: MTP drafts over the whole vocabulary
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["train/loss"]
+    assert on["final_train"]["loss"] == pytest.approx(first, rel=1e-5)  # online == offline
     assert run["final_train"]["loss"] < 0.6 * first
     config = json.loads((tmp_path / "run" / "final" / "draft_config.json").read_text())
     assert config["kwargs"]["layout"] == "deepseek_v3" and config["kwargs"]["aux_layer_ids"] == [2]
