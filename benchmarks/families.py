@@ -6,11 +6,20 @@ draft milliseconds per verification step, end-to-end tokens/s with the verifier,
 verifier alone measured in the same run; plus training tokens/s and peak RSS. Prints a table, writes
 ``results.json`` and ``families.png`` into ``--work``.
 
-Data: a pipeline run's prepare / vocab / extract folders (``--run``, e.g. the embedded default's
-``runs/smollm2-135m``) so every family trains on the same stored hidden states.
+Data: a pipeline run's prepare / vocab / extract folders (``--run``) so every family trains on the same stored
+hidden states. A family reads any subset of the stored aux layers (``aux_layer_ids=2/15/28`` in its spec), so the
+DFlash config's extraction (five layers) serves all families:
 
-    python benchmarks/families.py --run runs/smollm2-135m --steps 120 --work /tmp/families \
-        --families eagle3 peagle:num_layers=1 peagle:num_layers=2 --ks 3 5 7 --max-prompts 6
+    python benchmarks/families.py --run runs/smollm2-135m-dflash --steps 120 --work /tmp/families \
+        --families eagle3:aux_layer_ids=2/15/28 peagle:aux_layer_ids=2/15/28,num_layers=2 dflash:block_size=4 \
+        --ks 3 5 7 --max-prompts 6
+
+Drafts that predict acceptance (a confidence head) are also evaluated with each ``--confidence-thresholds`` value
+(``off`` = verify every drafted token): the rows then differ in draft tokens verified per step, e.g. DFlash against
+DSpark at the same budget, with and without the cut (DSpark's block of B drafts B tokens, DFlash's B - 1)::
+
+    python benchmarks/families.py --run runs/smollm2-135m-dflash --steps 120 --work /tmp/dspark \
+        --families dflash:block_size=5 dspark:block_size=4 --ks 4 --confidence-thresholds off 0.3
 """
 
 from __future__ import annotations
@@ -27,14 +36,17 @@ from pathlib import Path
 import yaml
 
 
-def parse_family(spec: str) -> tuple[str, dict]:
-    """``peagle:num_layers=2,depths=4`` -> ("peagle", {"num_layers": 2, "depths": 4})."""
+def parse_family(spec: str) -> tuple[str, dict, list[int] | None]:
+    """``peagle:aux_layer_ids=2/15/28,num_layers=2`` -> ("peagle", {"num_layers": 2}, [2, 15, 28])."""
     name, _, rest = spec.partition(":")
-    options = {}
+    options, aux = {}, None
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        options[key] = yaml.safe_load(value)
-    return name, options
+        if key == "aux_layer_ids":
+            aux = [int(v) for v in value.split("/")]
+        else:
+            options[key] = yaml.safe_load(value)
+    return name, options, aux
 
 
 def run_with_peak_rss(cmd: list[str], log: Path) -> tuple[float, float]:
@@ -63,13 +75,14 @@ def run_with_peak_rss(cmd: list[str], log: Path) -> tuple[float, float]:
     return time.perf_counter() - t0, peak[0]
 
 
-def train_family(run: Path, out: Path, name: str, options: dict, steps: int, batch_tokens: int, seed: int) -> dict:
+def train_family(run: Path, out: Path, name: str, options: dict, aux: list[int] | None, steps: int, batch_tokens: int,
+                 seed: int) -> dict:
     config = out.parent / f"{out.name}.yaml"
     config.write_text(yaml.safe_dump({
         "verifier": "smollm2-135m", "vocab": str(run / "vocab"), "hidden_states": str(run / "extract"),
         "out": str(out), "max_steps": steps, "batch_tokens": batch_tokens, "pack": True, "lr": 1e-3,
         "warmup_steps": 10, "eval_fraction": 0.05, "eval_every": 0, "save_every": 0, "seed": seed,
-        "progress": False, "algorithm": name, name: options}))
+        "progress": False, "algorithm": name, name: options, "aux_layer_ids": aux}))
     cmd = [sys.executable, "-m", "tiny_speculators.cli", "train", "--config", str(config)]
     seconds, peak = run_with_peak_rss(cmd, out.parent / f"{out.name}.train.log")
     summary = json.loads((out / "summary.json").read_text())
@@ -89,9 +102,12 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[3, 5, 7])
     ap.add_argument("--max-prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--confidence-thresholds", nargs="+", default=["off"],
+                    help="for drafts with a confidence head: evaluate once per value (off = verify the whole chain)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", type=Path, default=Path("/tmp/families"))
     a = ap.parse_args()
+    from tiny_speculators.errors import UserError
     from tiny_speculators.evaluate.stage import evaluate
     from tiny_speculators.export.stage import export
 
@@ -101,24 +117,35 @@ def main() -> None:
     a.work.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
     for spec in a.families:
-        name, options = parse_family(spec)
-        tag = spec.replace(":", "_").replace(",", "_").replace("=", "")
+        name, options, aux = parse_family(spec)
+        tag = spec.replace(":", "_").replace(",", "_").replace("=", "").replace("/", "-")
         out = a.work / tag
         row: dict = {"family": name, "options": options}
         if (a.work / f"{tag}.json").is_file():  # resume a partly measured benchmark
             results[spec] = json.loads((a.work / f"{tag}.json").read_text())
             continue
         if not (out / "final").is_dir():
-            row.update(train_family(a.run, out, name, options, a.steps, a.batch_tokens, a.seed))
+            row.update(train_family(a.run, out, name, options, aux, a.steps, a.batch_tokens, a.seed))
         export(out, out=a.work / f"{tag}-export")
         row["k"] = {}
         for k in a.ks:
-            ev = evaluate("smollm2-135m", a.work / f"{tag}-export", a.work / f"{tag}-eval-k{k}", prompts="builtin",
-                          k=k, max_new_tokens=a.max_new_tokens, max_prompts=a.max_prompts, seed=a.seed)
-            row["k"][k] = {key: ev[key] for key in ("acceptance_length", "per_position_acceptance",
-                                                     "draft_forwards_per_step", "draft_ms_per_step",
-                                                     "tokens_per_second", "baseline_tokens_per_second", "speedup",
-                                                     "matches_baseline")}
+            for threshold in a.confidence_thresholds:
+                key = str(k) if threshold == "off" else f"{k}@{threshold}"
+                try:
+                    ev = evaluate("smollm2-135m", a.work / f"{tag}-export", a.work / f"{tag}-eval-k{key}",
+                                  prompts="builtin", k=k, max_new_tokens=a.max_new_tokens, max_prompts=a.max_prompts,
+                                  seed=a.seed, confidence_threshold=threshold if threshold == "off" else
+                                  float(threshold))
+                except UserError as e:  # no confidence head: only "off" applies
+                    if threshold == "off":
+                        raise
+                    print(f"{spec}: threshold {threshold} skipped ({e})")
+                    continue
+                cal = ev.get("confidence_calibration") or {}
+                row["k"][key] = {**{name: ev[name] for name in (
+                    "acceptance_length", "per_position_acceptance", "verified_tokens_per_step",
+                    "draft_forwards_per_step", "draft_ms_per_step", "tokens_per_second",
+                    "baseline_tokens_per_second", "speedup", "matches_baseline")}, "confidence_ece": cal.get("ece")}
         (a.work / f"{tag}.json").write_text(json.dumps(row, indent=2))
         results[spec] = row
     (a.work / "results.json").write_text(json.dumps(results, indent=2))
@@ -129,13 +156,15 @@ def main() -> None:
 def print_table(results: dict, a) -> None:
     print(f"\n{a.run}: {a.steps} steps x {a.batch_tokens} packed tokens, seed {a.seed}; evaluated on "
           f"{a.max_prompts} held-out prompts x {a.max_new_tokens} tokens (fp32, greedy)")
-    print("| family | params | train tok/s | peak RSS MB | k | τ | draft fwd/step | draft ms/step | tok/s | "
-          "vs verifier alone | lossless |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| family | params | train tok/s | peak RSS MB | k (@ confidence threshold) | τ | verified tok/step | "
+          "draft fwd/step | draft ms/step | tok/s | vs verifier alone | lossless |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for spec, r in results.items():
         for k, e in r["k"].items():
+            verified = e.get("verified_tokens_per_step")
             print(f"| {spec} | {r.get('draft_parameters', 0):,} | {r.get('train_tokens_per_s', 0):.0f} | "
                   f"{r.get('peak_rss_mb', 0):.0f} | {k} | {e['acceptance_length']:.3f} | "
+                  f"{'-' if verified is None else f'{verified:.2f}'} | "
                   f"{e['draft_forwards_per_step']:.2f} | {e['draft_ms_per_step']:.1f} | {e['tokens_per_second']:.1f} | "
                   f"{e['speedup']:.2f}x | {e['matches_baseline']} |")
 
@@ -148,7 +177,7 @@ def plot(results: dict, path: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for spec, r in results.items():
-        ks = sorted(int(k) for k in r["k"])
+        ks = sorted(int(k) for k in r["k"] if "@" not in str(k))  # the uncut rows
         ax1.plot(ks, [r["k"][k if k in r["k"] else str(k)]["acceptance_length"] for k in ks], marker="o", label=spec)
         ax2.plot(ks, [r["k"][k if k in r["k"] else str(k)]["draft_ms_per_step"] for k in ks], marker="o", label=spec)
     ax1.set_xlabel("k (draft tokens per step)")

@@ -54,7 +54,7 @@ def test_draft_must_be_an_export(tmp_path):
     with pytest.raises(UserError, match="no config.json there"):
         read_draft(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    with pytest.raises(UserError, match="not in the speculators format"):
+    with pytest.raises(UserError, match="not in a format vLLM serves"):
         read_draft(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({
         "speculators_model_type": "eagle3",
@@ -72,6 +72,14 @@ def test_draft_must_be_an_export(tmp_path):
     info = read_draft(tmp_path)
     assert info["method"] == "eagle3" and info["k"] == 4
     assert info["spec"](4)["parallel_drafting"] is True
+    # a stitched MTP export is the verifier itself: vLLM serves the folder with method mtp; k from summary.json
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MiMoForCausalLM"],
+                                                      "num_nextn_predict_layers": 1}))
+    (tmp_path / "summary.json").write_text(json.dumps({"speculative_tokens": 2}))
+    info = read_draft(tmp_path)
+    assert {k: info[k] for k in ("method", "k", "verifier")} == {"method": "mtp", "k": 2,
+                                                                 "verifier": str(tmp_path.resolve())}
+    assert info["spec"](3) == {"method": "mtp", "num_speculative_tokens": 3}
 
 
 def test_serving_verifier(tmp_path):

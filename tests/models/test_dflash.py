@@ -44,10 +44,16 @@ def _rope(x, pos, theta=10000.0):  # x [T, heads, D], neox rotate-half
 
 
 def reference_forward(draft: DFlashDraft, aux, ctx_pos, block_ids, block_pos):
+    """:func:`reference_hidden` through the draft's ``lm_head``: logits ``(n, Vd)``, float64."""
+    return reference_hidden(draft, aux, ctx_pos, block_ids, block_pos) @ draft.state_dict()["lm_head.weight"].double().T
+
+
+def reference_hidden(draft: DFlashDraft, aux, ctx_pos, block_ids, block_pos):
     """vLLM 0.32's DFlash forward for one request, float64, plain loops (qwen3_dflash.py):
     ``precompute_and_store_context_kv`` writes k_norm(k_proj(hidden_norm(fc(aux)))) + RoPE and v_proj(...) at the
     context positions into every layer's cache; the query block [bonus, mask...] runs Qwen3 layers whose
-    attention sees the whole context and the whole block (or the block up to itself when causal)."""
+    attention sees the whole context and the whole block (or the block up to itself when causal). Returns the
+    final norm's output ``(n, H)``."""
     sd = {k: v.double() for k, v in draft.state_dict().items()}
     kw = draft.kwargs
     nh, nkv, hd = kw["num_attention_heads"], kw["num_key_value_heads"], kw["head_dim"]
@@ -79,7 +85,7 @@ def reference_forward(draft: DFlashDraft, aux, ctx_pos, block_ids, block_pos):
         h = _rms(x, sd[f"{p}post_attention_layernorm.weight"])
         gate, up = h @ sd[f"{p}mlp.gate_proj.weight"].T, h @ sd[f"{p}mlp.up_proj.weight"].T
         x = x + (torch.nn.functional.silu(gate) * up) @ sd[f"{p}mlp.down_proj.weight"].T
-    return _rms(x, sd["norm.weight"]) @ sd["lm_head.weight"].T  # (n, Vd)
+    return _rms(x, sd["norm.weight"])  # (n, H): the final-norm output the heads read
 
 
 def _ours(draft, aux, ctx_pos, block_ids, block_pos):

@@ -200,3 +200,18 @@ def test_init_from_with_another_vocabulary_is_a_user_error(tiny_inputs, tmp_path
     with pytest.raises(UserError, match="different draft vocabulary"):
         train(**_common(tiny_inputs, tmp_path / "b", max_steps=1, batch_size=2, init_from=tmp_path / "a",
                         vocab=tmp_path / "vocab128"))
+
+
+def test_offline_subset_of_stored_layers_equals_online(tiny_inputs, tmp_path):
+    """One extraction serves several families: offline training on a subset of the stored layers (in another
+    order) sees the same states as online training on those layers; a layer that is not stored is refused."""
+    stored = json.loads((tiny_inputs.hidden_states / "manifest.json").read_text())["aux_layer_ids"]
+    subset = [stored[-1], stored[0]]
+    off = train(**_common(tiny_inputs, tmp_path / "off", max_steps=1, batch_size=2, aux_layer_ids=subset))
+    on = train(**_common(tiny_inputs, tmp_path / "on", max_steps=1, batch_size=2, hidden_states=None,
+                         data=tiny_inputs.prepared, online=True, aux_layer_ids=subset))
+    assert json.loads((tmp_path / "off" / "final" / "draft_config.json").read_text())["kwargs"][
+        "aux_layer_ids"] == subset
+    assert on["final_train"]["loss"] == pytest.approx(off["final_train"]["loss"], rel=1e-4)
+    with pytest.raises(UserError, match=r"not stored in .*manifest.json holds"):
+        train(**_common(tiny_inputs, tmp_path / "bad", max_steps=1, aux_layer_ids=[max(stored) + 1]))

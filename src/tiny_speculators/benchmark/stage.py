@@ -47,28 +47,35 @@ log = logging.getLogger(__name__)
 
 
 def read_draft(draft: Path) -> dict[str, Any]:
-    """method, k and the verifier an exported speculators folder records (its config.json), and the
-    ``--speculative-config`` its family's format gives vLLM (``spec(k)``)."""
+    """method, k and the verifier of an exported draft, and the ``--speculative-config`` its family's format gives
+    vLLM (``spec(k)``). k: what the draft's config records, else export's ``summary.json``, else 1. A format
+    that is a whole verifier with the draft inside (e.g. a stitched MTP checkpoint) is itself what vLLM serves."""
     from tiny_speculators.models.importing import detect_format
 
-    path = Path(draft) / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-        spec = config["speculators_config"]
-        family, fmt = detect_format(Path(draft))
-        if fmt is None or fmt.vllm_speculative_config is None:
-            raise UserError(f"--draft {draft}: a {family.name} draft in this format is not served by vLLM")
-        folder = str(Path(draft).resolve())
-        return {"method": fmt.vllm_speculative_config(folder, 1)["method"],
-                "k": int(spec["proposal_methods"][0]["speculative_tokens"]),
-                "verifier": (spec.get("verifier") or {}).get("name_or_path"),
-                "spec": lambda k: fmt.vllm_speculative_config(folder, k)}
-    except FileNotFoundError:
+    folder = Path(draft)
+    if not (folder / "config.json").is_file():
         raise UserError(f"--draft {draft}: no config.json there (export the draft first: tiny-speculators "
-                        "export)") from None
-    except (ValueError, KeyError, IndexError, TypeError):
-        raise UserError(f"--draft {draft}: config.json is not in the speculators format vLLM serves "
-                        "(tiny-speculators export writes it)") from None
+                        "export)")
+    try:
+        _, fmt = detect_format(folder)
+    except UserError:
+        fmt = None
+    if fmt is None or fmt.vllm_speculative_config is None:
+        raise UserError(f"--draft {draft}: config.json is not in a format vLLM serves (tiny-speculators export "
+                        "writes one)")
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    spec = config.get("speculators_config") or {}
+    k = None
+    try:
+        k = int(spec["proposal_methods"][0]["speculative_tokens"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        summary = folder / "summary.json"
+        if summary.is_file():
+            k = json.loads(summary.read_text(encoding="utf-8")).get("speculative_tokens")
+    resolved = str(folder.resolve())
+    verifier = resolved if fmt.whole_verifier else (spec.get("verifier") or {}).get("name_or_path")
+    return {"method": fmt.vllm_speculative_config(resolved, 1)["method"], "k": int(k or 1), "verifier": verifier,
+            "spec": lambda n: fmt.vllm_speculative_config(resolved, n)}
 
 
 def serving_verifier(verifier: str | None, recorded: str | None) -> str:

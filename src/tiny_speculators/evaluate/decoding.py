@@ -21,7 +21,7 @@ import torch
 
 from tiny_speculators.evaluate.sampling import SamplingParams, accept_chain, probs_from_logits, sample
 from tiny_speculators.evaluate.target import TargetRunner
-from tiny_speculators.models.family import Proposer, TreeParams
+from tiny_speculators.models.family import ConfidenceProposer, Proposer, TreeParams
 
 __all__ = ["DecodeResult", "TreeParams", "autoregressive_generate", "speculative_generate"]
 
@@ -34,6 +34,7 @@ class DecodeResult:
     tokens: list[int]  # emitted token ids (EOS included when hit), at most max_new_tokens
     accepted: list[int] = field(default_factory=list)  # accepted draft tokens per verification forward
     proposed: list[int] = field(default_factory=list)  # draft tokens sent to the verifier per forward
+    confidences: list[list[float]] = field(default_factory=list)  # per forward, the sent tokens' predicted acceptance
     verifier_forwards: int = 0  # including the prefill
     draft_forwards: int = 0  # draft forward passes (prompt commit included)
     draft_seconds: float = 0.0  # wall time inside the proposer (commit + proposals)
@@ -46,6 +47,7 @@ class _TimedProposer:
     def __init__(self, proposer: Proposer, device: torch.device) -> None:
         self.inner, self.device, self.seconds = proposer, device, 0.0
         self.supports_tree = proposer.supports_tree
+        self.reports_confidence = isinstance(proposer, ConfidenceProposer) and proposer.has_confidence
 
     @property
     def draft_forwards(self) -> int:
@@ -97,21 +99,25 @@ def _sync(device: torch.device) -> None:
 
 def chain_step(target: TargetRunner, proposer: Proposer, pending: int, pos: int, k: int,
                params: SamplingParams, generator: torch.Generator | None) -> tuple[list[int], int, torch.Tensor, int]:
-    """Draft k tokens, verify ``[pending, d1..dk]`` at ``pos..pos+k`` in one forward, roll back.
+    """Draft up to k tokens, verify ``[pending, d1..dm]`` at ``pos..pos+m`` in one forward, roll back (``m <= k``:
+    a proposer may cut its chain short, e.g. where its confidence drops).
 
-    Returns (accepted draft tokens, next token, aux [1 + accepted, n_aux*H] of pending + accepted, proposed)."""
+    Returns (accepted draft tokens, next token, aux [1 + accepted, n_aux*H] of pending + accepted, proposed = m)."""
     draft, q = proposer.propose_chain(k, params, generator)
-    logits, aux = target.forward(torch.tensor([pending, *draft]), torch.arange(pos, pos + k + 1))  # (k+1, V)
+    m = len(draft)
+    if m > k:
+        raise RuntimeError(f"the proposer returned {m} tokens for k={k}")
+    logits, aux = target.forward(torch.tensor([pending, *draft]), torch.arange(pos, pos + m + 1))  # (m+1, V)
     if params.greedy:
         preds = torch.argmax(logits, dim=-1).tolist()
         n = 0
-        while n < k and draft[n] == preds[n]:
+        while n < m and draft[n] == preds[n]:
             n += 1
         nxt = preds[n]
     else:
         n, nxt = accept_chain(probs_from_logits(logits, params).cpu(), q, draft, generator)
     target.crop(pos + 1 + n)
-    return draft[:n], nxt, aux[: n + 1], k
+    return draft[:n], nxt, aux[: n + 1], m
 
 
 @torch.no_grad()
@@ -144,6 +150,8 @@ def speculative_generate(target: TargetRunner, proposer: Proposer, prompt: list[
         result.verifier_forwards += 1
         result.accepted.append(len(accepted))
         result.proposed.append(proposed)
+        if tree is None and proposer.reports_confidence:
+            result.confidences.append(list(proposer.inner.last_confidences))
         result.tokens += [*accepted, nxt]
         if not _done(result.tokens, max_new_tokens, eos_ids):
             proposer.commit([*accepted, nxt], path_aux, pos)

@@ -15,7 +15,7 @@ from typing import Any
 
 from tiny_speculators.atomic import atomic_write, write_json_atomic
 
-__all__ = ["acceptance_metrics", "print_table", "save_plot", "write_json"]
+__all__ = ["acceptance_metrics", "calibration", "print_table", "save_calibration_plot", "save_plot", "write_json"]
 
 
 def acceptance_metrics(accepted: list[int], proposed: list[int], positions: int) -> dict[str, Any]:
@@ -31,7 +31,67 @@ def acceptance_metrics(accepted: list[int], proposed: list[int], positions: int)
         "acceptance_length": 1.0 + total / drafts if drafts else None,
         "per_position_acceptance": [c / drafts for c in per_pos] if drafts else [None] * positions,
         "draft_acceptance_rate": total / sum(proposed) if sum(proposed) else None,
+        "verified_tokens_per_step": sum(proposed) / drafts if drafts else None,  # draft tokens sent per forward
     }
+
+
+def calibration(confidences: list[list[float]], accepted: list[int], bins: int = 10) -> dict[str, Any] | None:
+    """Calibration of a proposer's predicted acceptance (``confidences[s][i]``: token i of verification step s,
+    ``accepted[s]``: how many of that step's tokens were accepted). Token i's outcome is observed only when every
+    token before it was accepted (``i <= accepted``): accepted iff ``i < accepted``. None without confidences.
+
+    Returns ``num_tokens``, ``mean_confidence``, ``observed_acceptance``, ``ece`` (expected calibration error:
+    bin-count-weighted |mean confidence - acceptance| over ``bins`` equal-width bins), ``brier`` and the ``bins``
+    (``lo``, ``hi``, ``count``, ``mean_confidence``, ``acceptance``)."""
+    pairs = [(c, i < a) for cs, a in zip(confidences, accepted, strict=True) for i, c in enumerate(cs) if i <= a]
+    if not pairs:
+        return None
+    n = len(pairs)
+    table = []
+    for b in range(bins):
+        lo, hi = b / bins, (b + 1) / bins
+        inside = [(c, y) for c, y in pairs if lo <= c < hi or (b == bins - 1 and c == 1.0)]
+        table.append({"lo": lo, "hi": hi, "count": len(inside),
+                      "mean_confidence": sum(c for c, _ in inside) / len(inside) if inside else None,
+                      "acceptance": sum(y for _, y in inside) / len(inside) if inside else None})
+    ece = sum(t["count"] / n * abs(t["mean_confidence"] - t["acceptance"]) for t in table if t["count"])
+    return {"num_tokens": n, "mean_confidence": sum(c for c, _ in pairs) / n,
+            "observed_acceptance": sum(y for _, y in pairs) / n, "ece": ece,
+            "brier": sum((c - y) ** 2 for c, y in pairs) / n, "bins": table}
+
+
+def save_calibration_plot(path: Path, cal: dict[str, Any], title: str) -> None:
+    """PNG: reliability diagram (observed acceptance per confidence bin against the diagonal, left) and how many
+    verified tokens fell in each bin (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bins = cal["bins"]
+    centers = [(b["lo"] + b["hi"]) / 2 for b in bins]
+    width = bins[0]["hi"] - bins[0]["lo"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.bar(centers, [b["acceptance"] or 0.0 for b in bins], width=width * 0.9, color="tab:blue",
+            label="observed acceptance")
+    ax1.plot([0, 1], [0, 1], color="gray", linestyle="--", linewidth=0.8, label="perfect calibration")
+    ax1.plot([b["mean_confidence"] for b in bins if b["count"]], [b["acceptance"] for b in bins if b["count"]],
+             "o", color="tab:red", label="bin mean confidence")
+    ax1.set_xlim(0, 1)
+    ax1.set_ylim(0, 1)
+    ax1.set_xlabel("predicted acceptance (confidence)")
+    ax1.set_ylabel("observed acceptance")
+    ax1.set_title(f"reliability (ECE {cal['ece']:.3f}, {cal['num_tokens']} tokens)")
+    ax1.legend(fontsize=7)
+    ax2.bar(centers, [b["count"] for b in bins], width=width * 0.9, color="tab:orange")
+    ax2.set_xlim(0, 1)
+    ax2.set_xlabel("predicted acceptance (confidence)")
+    ax2.set_ylabel("verified tokens")
+    ax2.set_title("tokens per confidence bin")
+    fig.suptitle(title)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -62,11 +122,16 @@ def print_table(summary: dict[str, Any]) -> None:
         ("draft forwards per step", summary.get("draft_forwards_per_step")),
         ("draft ms per step", summary.get("draft_ms_per_step")),
         ("draft tokens proposed / accepted", f"{summary['num_draft_tokens']} / {summary['num_accepted_tokens']}"),
+        ("draft tokens verified per step", summary.get("verified_tokens_per_step")),
         ("tokens generated", summary["tokens_generated"]),
         ("tokens/s with draft", summary["tokens_per_second"]),
         ("tokens/s verifier alone", summary.get("baseline_tokens_per_second")),
         ("speed-up", summary.get("speedup")),
     ]
+    cal = summary.get("confidence_calibration")
+    if cal is not None:
+        rows.append(("confidence: mean / observed / ECE",
+                     f"{cal['mean_confidence']:.3f} / {cal['observed_acceptance']:.3f} / {cal['ece']:.3f}"))
     if summary.get("matches_baseline") is not None:
         rows.append(("greedy output == verifier alone", summary["matches_baseline"]))
     for name, value in rows:

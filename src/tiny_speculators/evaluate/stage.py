@@ -3,7 +3,8 @@
 Loads the verifier and a draft (our checkpoint, a train output folder, or an exported speculators /
 SGLang folder), generates an answer to each prompt with draft + verifier (chain of ``k`` tokens or an
 EAGLE-2 dynamic tree), times the verifier alone on the same prompts, and writes ``results.json``,
-``summary.json`` and ``acceptance.png`` into ``out``. Tiny CPU run on the embedded verifier::
+``summary.json``, ``acceptance.png`` and, for drafts that predict acceptance, ``calibration.png`` into ``out``.
+Tiny CPU run on the embedded verifier::
 
     tiny-speculators evaluate --verifier smollm2-135m --draft runs/train/final --prompts chat \
         --out runs/eval --max-prompts 3 --max-new-tokens 32
@@ -26,7 +27,14 @@ from tiny_speculators.evaluate.decoding import (
     speculative_generate,
 )
 from tiny_speculators.evaluate.prompts import load_prompts, render_prompt
-from tiny_speculators.evaluate.report import acceptance_metrics, print_table, save_plot, write_json
+from tiny_speculators.evaluate.report import (
+    acceptance_metrics,
+    calibration,
+    print_table,
+    save_calibration_plot,
+    save_plot,
+    write_json,
+)
 from tiny_speculators.evaluate.sampling import SamplingParams
 from tiny_speculators.evaluate.target import TargetRunner
 
@@ -59,6 +67,7 @@ def evaluate(
     tree_depth: int = 5,
     tree_topk: int = 4,
     tree_total_tokens: int = 24,
+    confidence_threshold: float | Literal["off"] = "off",
     dtype: Literal["float32", "bfloat16", "float16"] = "float32",
     device: str = "cpu",
     seed: int = 0,
@@ -86,6 +95,9 @@ def evaluate(
         tree_depth: tree levels (longest draft).
         tree_topk: children per expanded node and nodes expanded per level.
         tree_total_tokens: draft nodes sent to the verifier per step (root excluded).
+        confidence_threshold: for drafts that predict each token's acceptance (a confidence head):
+            send only the drafted prefix whose running product of confidences stays >= this (at least one token);
+            off = verify every drafted token. Drafts with a confidence head also get calibration.png.
         dtype: verifier and draft dtype (exactness checks use float32).
         device: torch device (cpu, cuda, cuda:1, ...).
         seed: seed for sampling (prompt i uses seed + i).
@@ -94,7 +106,7 @@ def evaluate(
         trust_remote_code: allow custom modelling code of the verifier.
     """
     from tiny_speculators.models import get_family
-    from tiny_speculators.models.family import options_from_record
+    from tiny_speculators.models.family import ConfidenceProposer, options_from_record
     from tiny_speculators.models.importing import import_draft
     from tiny_speculators.verifier.describe import text_config
     from tiny_speculators.verifier.load import load_verifier, parse_dtype, verifier_id
@@ -129,6 +141,14 @@ def evaluate(
     if max(aux_layer_ids) > n_layers:  # id N: the last layer's output (an MTP layer's input)
         raise UserError(f"draft {draft} reads verifier layers {aux_layer_ids}; verifier {verifier} has {n_layers}")
     proposer = family.proposer(draft_model)
+    threshold = None if confidence_threshold == "off" else float(confidence_threshold)
+    if threshold is not None:
+        if not (isinstance(proposer, ConfidenceProposer) and proposer.has_confidence):
+            raise UserError(f"--confidence-threshold: a {family.name} draft predicts no acceptance confidence "
+                            "(use off)")
+        if tree:
+            raise UserError("--confidence-threshold cuts chains: evaluate without --tree")
+        proposer.confidence_threshold = threshold
     if tree and not proposer.supports_tree:
         raise UserError(f"a {family.name} draft proposes chains only; evaluate it without --tree")
     target = TargetRunner(model, list(aux_layer_ids))
@@ -157,6 +177,7 @@ def evaluate(
             "seconds": res.seconds, "verifier_forwards": res.verifier_forwards,
             "draft_forwards": res.draft_forwards,
             **acceptance_metrics(res.accepted, res.proposed, positions),
+            **({"confidences": res.confidences} if res.confidences else {}),
         }
         if baseline:
             base = autoregressive_generate(target, ids, max_new_tokens=max_new_tokens, params=params, eos_ids=eos,
@@ -185,8 +206,8 @@ def evaluate(
         "prompts": prompts, "num_prompts": len(prompt_list),
         "mode": (f"tree (depth {tree_depth}, topk {tree_topk}, {tree_total_tokens} tokens)" if tree
                  else f"chain (k={k})"),
-        "k": None if tree else k, "tree": ({"depth": tree_depth, "topk": tree_topk, "total_tokens": tree_total_tokens}
-                                           if tree else None),
+        "k": None if tree else k, "confidence_threshold": threshold,
+        "tree": {"depth": tree_depth, "topk": tree_topk, "total_tokens": tree_total_tokens} if tree else None,
         "temperature": temperature, "top_p": top_p, "top_k": top_k, "max_new_tokens": max_new_tokens,
         "dtype": dtype, "device": device, "seed": seed,
         **metrics,
@@ -199,6 +220,8 @@ def evaluate(
         "draft_ms_per_step": (1000 * sum(r.draft_seconds for r in spec_results)
                               / max(1, sum(len(r.accepted) for r in spec_results))),
         "wall_seconds": time.perf_counter() - t_start,
+        "confidence_calibration": calibration([c for r in spec_results for c in r.confidences],
+                                              [a for r in spec_results if r.confidences for a in r.accepted]),
     }
     if baseline:
         base_tokens = sum(len(r.tokens) for r in base_results)
@@ -217,5 +240,9 @@ def evaluate(
     save_plot(out / "acceptance.png", summary["per_position_acceptance"],
               [(e["id"], e["acceptance_length"]) for e in per_prompt],
               f"{Path(str(draft)).name} on {verifier_id(verifier)}: τ = {summary['acceptance_length'] or 1:.2f}")
+    if summary["confidence_calibration"] is not None:
+        save_calibration_plot(out / "calibration.png", summary["confidence_calibration"],
+                              f"{Path(str(draft)).name} on {verifier_id(verifier)}: confidence calibration"
+                              + (f" (threshold {threshold})" if threshold is not None else ""))
     print_table(summary)
     return summary

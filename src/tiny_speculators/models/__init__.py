@@ -1,6 +1,6 @@
-"""Draft model families. Each algorithm is one sub-package (``eagle3/``, ``peagle/``, ``dflash/``, ``mtp/``) with
-its modules, builder, objective, proposer and formats; :data:`FAMILIES` is the one table the stages dispatch through
-(what a family provides: ``family.py``).
+"""Draft model families. Each algorithm is one sub-package (``eagle3/``, ``peagle/``, ``dflash/``, ``dspark/``,
+``mtp/``) with its modules, builder, objective, proposer and formats; :data:`FAMILIES` is the one table the
+stages dispatch through (what a family provides: ``family.py``).
 
     from tiny_speculators.models import FAMILIES, get_family
     get_family("eagle3").options()          # Eagle3Options(ttt_steps=3, ...)
@@ -14,6 +14,7 @@ from torch import nn
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.dflash.family import FAMILY as DFLASH
+from tiny_speculators.models.dspark.family import FAMILY as DSPARK
 from tiny_speculators.models.eagle3.family import FAMILY as EAGLE3
 from tiny_speculators.models.family import DraftFamily
 from tiny_speculators.models.mtp.family import FAMILY as MTP
@@ -23,6 +24,7 @@ FAMILIES: dict[str, DraftFamily] = {
     "eagle3": EAGLE3,
     "peagle": PEAGLE,
     "dflash": DFLASH,
+    "dspark": DSPARK,
     "mtp": MTP,
 }
 

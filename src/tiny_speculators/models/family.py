@@ -34,8 +34,8 @@ from torch import nn
 
 from tiny_speculators.errors import UserError
 
-__all__ = ["BuildInputs", "DraftFamily", "DraftFormat", "DraftTree", "ExportInfo", "Objective", "Proposer",
-           "StepOutput", "TreeParams", "parse_options"]
+__all__ = ["BuildInputs", "ConfidenceProposer", "DraftFamily", "DraftFormat", "DraftTree", "ExportInfo", "Objective",
+           "Proposer", "StepOutput", "TreeParams", "parse_options"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,19 @@ class Proposer(Protocol):
         ...
 
     # Families with ``supports_tree`` also have ``build_tree(root: int, params: TreeParams) -> DraftTree``.
+    # ``propose_chain`` may return fewer than ``k`` tokens (a proposer that cuts its chain short); the evaluator
+    # verifies what it returns.
+
+
+@runtime_checkable
+class ConfidenceProposer(Protocol):
+    """A proposer that predicts, per drafted token, the probability that the verifier accepts it (given the tokens
+    before it were accepted), and can cut its chain where the running product of those drops below
+    ``confidence_threshold`` (None: off, every drafted token is verified)."""
+
+    has_confidence: bool  # False: the draft carries no confidence estimate (a threshold is refused)
+    confidence_threshold: float | None
+    last_confidences: list[float]  # after propose_chain: one per returned token
 
 
 @dataclass(frozen=True)
@@ -152,6 +165,7 @@ class DraftFormat:
     card: Callable[[Mapping[str, Any]], dict[str, Any]]
     vllm_speculative_config: Callable[[str, int], dict[str, Any]] | None = None  # None: vLLM cannot serve it
     companions: Callable[[str], list[Path]] | None = None  # (verifier_name) -> files export copies beside the weights
+    whole_verifier: bool = False  # the folder is the verifier's own checkpoint with the draft inside (vLLM serves it)
 
 
 @dataclass(frozen=True)
@@ -170,6 +184,9 @@ class DraftFamily:
     fixed_aux_layer_ids: bool = False  # it always reads default_aux_layer_ids(N) (e.g. MTP: [N], the last state)
     reads_verifier_files: bool = False  # build reads weights from the verifier's own files (BuildInputs.verifier_path)
     uses_verifier_vocab: bool = False  # it predicts over the verifier's whole vocabulary: train needs no --vocab
+    # drafts of other families this one starts from (train --init-from): family name -> (that draft, this run's
+    # options) -> a draft of this family holding its weights
+    warm_starts: Mapping[str, Callable[[nn.Module, Any], nn.Module]] = field(default_factory=dict)
 
     def format(self, name: str | None = None) -> DraftFormat:
         if name is None:

@@ -144,23 +144,24 @@ def _source_and_head(opts: TrainOptions, family: DraftFamily, info: D.DistInfo):
     from tiny_speculators.train.sources import OfflineSource
     from tiny_speculators.verifier.head import load_verifier_head
 
-    source = OfflineSource(opts.hidden_states)
-    aux = source.aux_layer_ids
     head = load_verifier_head(opts.verifier, trust_remote_code=opts.trust_remote_code)
-    _check_manifest(source.manifest, head.config, opts)
     if family.fixed_aux_layer_ids:  # e.g. [N]: the last state, which the full layouts store beside the aux layers
         from tiny_speculators.verifier.describe import text_config
 
         n_layers = int(text_config(head.config).num_hidden_layers)
         fixed = family.default_aux_layer_ids(n_layers)
-        lacking = [i for i in fixed if i not in aux and i != n_layers]
+        if opts.aux_layer_ids and list(opts.aux_layer_ids) != fixed:
+            raise UserError(f"--aux-layer-ids: a {family.name} draft always reads verifier layer(s) {fixed}")
+        source = OfflineSource(opts.hidden_states)
+        lacking = [i for i in fixed if i not in source.aux_layer_ids and i != n_layers]
         if lacking:
             raise UserError(f"a {family.name} draft reads verifier layer(s) {lacking}, which the extraction "
-                            f"{opts.hidden_states} lacks (it has {aux})")
+                            f"{opts.hidden_states} lacks (it has {source.aux_layer_ids})")
         aux = fixed
-    if opts.aux_layer_ids and list(opts.aux_layer_ids) != aux:
-        raise UserError(f"--aux-layer-ids {opts.aux_layer_ids} differ from the extraction's {aux} "
-                        f"({opts.hidden_states}/manifest.json)")
+    else:
+        source = OfflineSource(opts.hidden_states, aux_layer_ids=opts.aux_layer_ids or None)
+        aux = source.aux_layer_ids
+    _check_manifest(source.manifest, head.config, opts)
     return source, head, aux
 
 
@@ -177,7 +178,10 @@ def _initial_draft(opts: TrainOptions, family: DraftFamily, head, aux: list[int]
     from tiny_speculators.models.importing import import_draft
 
     draft, dcfg = import_draft(opts.init_from, verifier=opts.verifier)
-    if dcfg["model_type"] != family.name:
+    if dcfg["model_type"] in family.warm_starts:  # another family's draft this one starts from
+        log.info("warm start: %s draft %s -> %s", dcfg["model_type"], opts.init_from, family.name)
+        draft = family.warm_starts[dcfg["model_type"]](draft, opts.family)
+    elif dcfg["model_type"] != family.name:
         raise UserError(f"--init-from {opts.init_from} is a {dcfg['model_type']} draft, this run trains "
                         f"{family.name} (--algorithm)")
     if dcfg.get("aux_layer_ids") not in (None, aux):

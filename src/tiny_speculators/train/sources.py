@@ -24,15 +24,28 @@ log = logging.getLogger(__name__)
 
 
 class OfflineSource:
-    """Samples from ``extract``'s shards (checksums verified when the reader opens them)."""
+    """Samples from ``extract``'s shards (checksums verified when the reader opens them).
 
-    def __init__(self, hidden_states: Path, verify: bool = True) -> None:
+    ``aux_layer_ids`` picks a subset of the stored layers (one extraction with the union of several families'
+    layers serves them all); ``None`` reads every stored layer.
+    """
+
+    def __init__(self, hidden_states: Path, verify: bool = True, aux_layer_ids: list[int] | None = None) -> None:
         from tiny_speculators.storage.reader import HiddenStateReader
 
         self.reader = HiddenStateReader(hidden_states, verify=verify)
         self.manifest: dict[str, Any] = self.reader.manifest
         if len(self.reader) == 0:
             raise UserError(f"hidden-state folder {hidden_states} holds no samples")
+        stored = [int(i) for i in self.manifest["aux_layer_ids"]]
+        wanted = stored if aux_layer_ids is None else [int(i) for i in aux_layer_ids]
+        missing = [i for i in wanted if i not in stored]
+        if missing:
+            raise UserError(f"--aux-layer-ids {wanted}: layer(s) {missing} are not stored in {hidden_states} "
+                            f"(manifest.json holds {stored}); extract them, or train on a subset of those")
+        self._aux = wanted
+        # which stored slots to keep, in the requested order (None: all, as stored)
+        self._slots = None if wanted == stored else [stored.index(i) for i in wanted]
         self._lengths = [int(n) for n in self.reader.lengths()]  # from the shards' offset tensors only
         # what reproduces the verifier's distribution: its last hidden state, or its stored top-k logits
         self.target_keys = (("target_topk_ids", "target_topk_logits") if self.reader.layout.uses_topk
@@ -40,7 +53,7 @@ class OfflineSource:
 
     @property
     def aux_layer_ids(self) -> list[int]:
-        return list(self.manifest["aux_layer_ids"])
+        return list(self._aux)
 
     def __len__(self) -> int:
         return len(self.reader)
@@ -51,6 +64,11 @@ class OfflineSource:
     def batch(self, indices: list[int], device: torch.device, pack: bool) -> dict[str, Any]:
         keys = ("input_ids", "loss_mask", "aux_hidden_states", *self.target_keys)
         samples = [{k: s[k] for k in keys} for s in (self.reader[i] for i in indices)]
+        if self._slots is not None:
+            for s in samples:
+                aux = s["aux_hidden_states"]  # (T, n_stored*H)
+                s["aux_hidden_states"] = aux.view(aux.shape[0], -1, aux.shape[1] // len(self.manifest[
+                    "aux_layer_ids"]))[:, self._slots].reshape(aux.shape[0], -1)  # (T, n_aux*H)
         return to_device(collate(samples, pack=pack), device)
 
 

@@ -112,8 +112,9 @@ def train(
         init_from: start from this draft: one of our checkpoints (or a train output folder), or a published
             draft in vLLM speculators or SGLang EAGLE-3 format; its vocabulary must equal --vocab.
         init_lm_head: initialize lm_head from the verifier's lm_head rows of the draft vocabulary.
-        aux_layer_ids: verifier layers the draft reads in online mode (default: the family's, e.g. EAGLE-3's
-            [2, N//2, N-3]); offline uses the manifest's.
+        aux_layer_ids: verifier layers the draft reads (default: the family's, e.g. EAGLE-3's [2, N//2, N-3]);
+            offline, any subset of the stored layers (default: all of them), so one extraction serves several
+            families.
         log_every: write metrics every N steps.
         progress: show a progress bar.
         trust_remote_code: allow the verifier's custom code from the hub.

@@ -59,14 +59,11 @@ class DFlashProposer:
         return full
 
     @torch.no_grad()
-    def propose_chain(self, k: int, params: SamplingParams,
-                      generator: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
-        """k draft tokens (target ids) from one forward; with sampling also their distributions q [k, V]."""
+    def inject_pending(self) -> tuple[int, int]:
+        """Inject the committed slots' context (keys/values of every layer); returns the bonus token and its
+        position (the one after the last verified position). Families built on this block drafter call it."""
         if self._pending is None:
             raise RuntimeError("propose_chain() needs verified slots from commit() first")
-        if not 1 <= k < self.draft.block_size:
-            raise UserError(f"a DFlash draft with block size {self.draft.block_size} proposes 1..."
-                            f"{self.draft.block_size - 1} tokens per step, not k={k}")
         tokens, aux, start = self._pending
         self._pending = None
         dev = self.draft.fc.weight.device
@@ -76,10 +73,25 @@ class DFlashProposer:
                      zip(self.keys or [None] * len(new), new, strict=True)]
         self.values = [torch.cat([old, kv[1]], dim=2) if self.values else kv[1] for old, kv in
                        zip(self.values or [None] * len(new), new, strict=True)]
-        bonus_pos = start + n  # the position after the last verified one
-        ids = torch.tensor([[tokens[-1], *[self.draft.mask_token_id] * k]], device=dev)  # (1, k + 1)
+        return int(tokens[-1]), start + n
+
+    def context_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return list(zip(self.keys, self.values, strict=True))
+
+    @torch.no_grad()
+    def propose_chain(self, k: int, params: SamplingParams,
+                      generator: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+        """k draft tokens (target ids) from one forward; with sampling also their distributions q [k, V]."""
+        if self._pending is None:
+            raise RuntimeError("propose_chain() needs verified slots from commit() first")
+        if not 1 <= k < self.draft.block_size:
+            raise UserError(f"a DFlash draft with block size {self.draft.block_size} proposes 1..."
+                            f"{self.draft.block_size - 1} tokens per step, not k={k}")
+        bonus, bonus_pos = self.inject_pending()
+        dev = self.draft.fc.weight.device
+        ids = torch.tensor([[bonus, *[self.draft.mask_token_id] * k]], device=dev)  # (1, k + 1)
         pos = torch.arange(bonus_pos, bonus_pos + k + 1, device=dev)[None]
-        out = self.draft(ids, pos, list(zip(self.keys, self.values, strict=True)), None, block_size=k + 1)
+        out = self.draft(ids, pos, self.context_kv(), None, block_size=k + 1)
         self.draft_forwards += 1
         logits = self.draft.compute_logits(out[0, 1:]).float()  # (k, Vd)
         draft, qs = [], []

@@ -92,6 +92,14 @@ def read(directory: Path, raw: Mapping[str, Any], tensors: dict[str, torch.Tenso
     path = Path(directory) / CONFIG
     cfg = read_json(path)
     where = f"{path} (speculators DFlash format)"
+    if cfg.get("sample_from_anchor"):
+        raise UserError(f"{where}: sample_from_anchor true is not supported "
+                        "(vLLM's DFlash proposes from the mask slots)")
+    return read_backbone(directory, cfg, tensors, where)
+
+
+def read_backbone(directory: Path, cfg: Mapping[str, Any], tensors: dict[str, torch.Tensor], where: str):
+    """The DFlash part of a speculators config (also DSpark's): ``(kwargs, state, record)``."""
     require(cfg, ["transformer_layer_config", "speculators_config", "mask_token_id", "aux_hidden_state_layer_ids"],
             where)
     layer = cfg["transformer_layer_config"]
@@ -100,9 +108,6 @@ def read(directory: Path, raw: Mapping[str, Any], tensors: dict[str, torch.Tenso
     if any(t == "sliding_attention" for t in layer.get("layer_types") or []) or layer.get("use_sliding_window"):
         raise UserError(f"{where}: sliding-window draft layers (transformer_layer_config.layer_types) "
                         "are not supported")
-    if cfg.get("sample_from_anchor"):
-        raise UserError(f"{where}: sample_from_anchor true is not supported "
-                        "(vLLM's DFlash proposes from the mask slots)")
     if cfg.get("projector_type", "dflash") != "dflash":
         raise UserError(f"{where}: projector_type {cfg['projector_type']!r} is not supported (only 'dflash')")
     if (Path(directory) / "mask_embedding.pt").exists():

@@ -179,4 +179,5 @@ def card(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 FORMAT = DraftFormat(name="verifier-mtp", write=write, detect=detect, read=read, serve=serve, card=card,
-                     vllm_speculative_config=vllm_speculative_config, companions=companions)
+                     vllm_speculative_config=vllm_speculative_config, companions=companions,
+                     whole_verifier=True)

@@ -1,0 +1,7 @@
+"""DSpark draft (DFlash + Markov logit bias + confidence head): model (``model.py``), objective (``objective.py``,
+its CE + TV + BCE loss in ``loss.py``), the confidence-cut block proposer (``proposer.py``), its speculators format
+(``speculators.py``) and its table entry (``family.py``)."""
+
+from tiny_speculators.models.dspark.model import DSparkDraft
+
+__all__ = ["DSparkDraft"]

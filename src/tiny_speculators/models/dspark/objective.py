@@ -1,0 +1,206 @@
+"""DSpark's training objective: DFlash's random-anchor blocks (``models/dflash/objective.py``: anchors, block
+inputs, context mask, reused as is) with every predicting slot scored by ``loss.py`` (CE + TV + confidence BCE).
+
+Coordinates: prediction ``j = 0..P-1`` of the anchor at ``a`` predicts ``x_{a+j+1}`` (target: the verifier at row
+``a + j``), sits at block slot ``j`` with ``sample_from_anchor`` (P = block_size) or ``j + 1`` without (P =
+block_size - 1), and its Markov bias / confidence read the previous token ``x_{a+j}`` (teacher forced: the data's
+token, which the drafted chain has whenever this slot's token matters). It counts where ``x_{a+1} .. x_{a+j+1}`` are
+all loss positions of ``a``'s row and document (the contiguous prefix, as the peers' eval mask).
+
+Loss: ``sum_{valid} w_j (0.1 ce + 0.9 tv + 1.0 bce) / #valid slots of the optimizer step`` with DFlash's slot weights
+(``w_j = exp(-j / gamma)``). Metrics per prediction index: the loss terms, greedy accuracy and conditional
+accuracy (``accept_len`` as DFlash), the expected acceptance ``1 - tv`` and the mean predicted confidence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as grad_checkpoint
+
+from tiny_speculators.models.dflash.objective import (
+    block_inputs,
+    candidate_anchors,
+    sample_anchors,
+    slot_targets_valid,
+    slot_weights,
+)
+from tiny_speculators.models.dspark.loss import LossWeights, slot_terms
+from tiny_speculators.models.dspark.model import DSparkDraft
+from tiny_speculators.models.eagle3.loss import DenseTargets, TopKTargets
+from tiny_speculators.models.eagle3.ttt import positions_from_documents
+from tiny_speculators.models.family import StepOutput
+
+KEEP = "_dspark_anchors"  # batch key: (anchors [B, N], valid [B, N]) set by loss_counts
+METRIC_KEYS = ("wloss_sum", "count", "ce_sum", "tv_sum", "bce_sum", "accept_sum", "conf_sum", "correct",
+               "cond_correct", "cond_count")
+
+__all__ = ["DSparkObjective", "prediction_valid", "summarize"]
+
+
+def _documents(batch: Mapping[str, Any]) -> torch.Tensor:
+    doc = batch.get("document_ids")
+    return doc if doc is not None else torch.zeros_like(batch["input_ids"])
+
+
+def prediction_valid(loss_mask: torch.Tensor, doc: torch.Tensor, predictions: int) -> torch.Tensor:
+    """``[B, T, P]`` bool: prediction j of an anchor at ``a`` counts (``x_{a+1..a+j+1}`` all loss positions of the
+    same row and document)."""
+    valid = slot_targets_valid(loss_mask, doc, predictions + 1)[:, :, 1:]
+    return torch.cumprod(valid.int(), dim=2).bool()
+
+
+def _rows(draft: DSparkDraft, hidden, prev, target_ids, target_logp, weights, loss_weights: LossWeights):
+    """Weighted loss sum and per-row terms of ``hidden [c, H]`` (pre-norm) with previous tokens ``prev [c]``."""
+    logits, conf = draft.heads(hidden, prev)
+    terms = slot_terms(logits, target_logp, target_ids, conf)
+    total = (weights * loss_weights.combine(terms)).sum()
+    conf_p = torch.sigmoid(conf) if conf is not None else torch.zeros_like(terms["tv"])
+    bce = terms.get("bce", torch.zeros_like(terms["tv"]))
+    return total, terms["ce"], terms["tv"], terms["accept"], bce, conf_p, logits.argmax(dim=-1)
+
+
+class DSparkObjective(nn.Module):
+    """``forward(batch, loss_normalizer) -> StepOutput`` for a :class:`DSparkDraft`; loss groups: the P predictions."""
+
+    def __init__(self, draft: DSparkDraft, target_head: nn.Module, *, anchors: int, gamma: float,
+                 loss_weights: LossWeights | None = None, chunk_size: int = 1024, anchor_chunk: int = 256,
+                 checkpoint: bool = True) -> None:
+        super().__init__()
+        self.draft = draft
+        self._head = (target_head,)  # hidden from parameters()/state_dict()/DDP broadcast
+        self.block_size, self.predictions = draft.block_size, draft.max_tokens
+        self.first_slot = 0 if draft.sample_from_anchor else 1
+        self.anchors, self.gamma = anchors, gamma
+        self.loss_weights = loss_weights or LossWeights()
+        self.chunk_size, self.anchor_chunk, self.checkpoint = chunk_size, anchor_chunk, checkpoint
+
+    def _anchors(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        if KEEP in batch:
+            return batch[KEEP]
+        doc = _documents(batch)
+        cand = candidate_anchors(batch["loss_mask"], doc, self.block_size)
+        out = sample_anchors(cand, doc, self.anchors if self.training else None)
+        if self.training:
+            batch[KEEP] = out
+        return out
+
+    def _valid(self, batch: dict[str, Any], anchors: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+        v = prediction_valid(batch["loss_mask"], _documents(batch), self.predictions)  # (B, T, P)
+        return v.gather(1, anchors[:, :, None].expand(-1, -1, self.predictions)) & ok[:, :, None]  # (B, N, P)
+
+    def loss_counts(self, batch: dict[str, Any]) -> torch.Tensor:
+        """``[P]`` valid predictions per index (samples the anchors for the coming forward)."""
+        anchors, ok = self._anchors(batch)
+        return self._valid(batch, anchors, ok).sum(dim=(0, 1))
+
+    def _source(self, batch: dict[str, Any], rows: torch.Tensor):
+        b, t = batch["input_ids"].shape
+        if "target_topk_ids" in batch:
+            return TopKTargets(batch["target_topk_ids"].reshape(b * t, -1)[rows],
+                               batch["target_topk_logits"].reshape(b * t, -1)[rows], vocab_size=self.draft.t2d.numel())
+        return DenseTargets(batch["last_hidden_state"].reshape(b * t, -1)[rows], self._head[0])
+
+    def forward(self, batch: dict[str, Any], loss_normalizer: torch.Tensor | None = None) -> StepOutput:
+        ids = batch["input_ids"]
+        b, t = ids.shape
+        doc = _documents(batch)
+        pos = batch.get("position_ids")
+        if pos is None:
+            pos = positions_from_documents(doc) if batch.get("document_ids") is not None else \
+                torch.arange(t, device=ids.device).expand(b, t)
+        anchors, ok = self._anchors(batch)
+        valid = self._valid(batch, anchors, ok)  # (B, N, P)
+        size, n_pred, draft = self.block_size, self.predictions, self.draft
+        context = draft.context(batch["aux_hidden_states"], pos)
+        hidden = []
+        for s in range(0, anchors.shape[1], self.anchor_chunk):  # bounded attention memory
+            a = anchors[:, s:s + self.anchor_chunk]
+            q_ids, q_pos, ctx_mask = block_inputs(ids, pos, doc, a, size, draft.mask_token_id)
+            h = draft(q_ids, q_pos, context, ctx_mask, block_size=size)  # (B, n*L, H)
+            hidden.append(h.view(b, a.shape[1], size, -1)[:, :, self.first_slot:self.first_slot + n_pred])
+        hidden = torch.cat(hidden, dim=1)  # (B, N, P, H)
+        sel = torch.nonzero(valid, as_tuple=True)
+        rows = sel[0] * t + anchors[sel[0], sel[1]] + sel[2]  # verifier row predicting x_{a+j+1}
+        prev = ids.reshape(-1)[rows]  # x_{a+j}
+        pad = torch.zeros_like(valid[..., :1])  # DFlash's weights count slot 1 as the first prediction
+        weights = slot_weights(torch.zeros(valid.shape[0] * valid.shape[1], n_pred + 1, device=ids.device),
+                               torch.cat([pad, valid], -1).view(-1, n_pred + 1), "exp", self.gamma,
+                               0.0)[:, 1:].reshape(valid.shape)  # (B, N, P): exp(-j / gamma)
+        source = self._source(batch, rows)
+        cols = torch.arange(draft.draft_vocab_size, device=ids.device) + draft.d2t  # target id per draft id
+        index = torch.full((draft.t2d.numel(),), -1, dtype=torch.long, device=ids.device)
+        index[cols] = torch.arange(draft.draft_vocab_size, device=ids.device)
+        h, w = hidden[sel], weights[sel]  # (M, H), (M,)
+        parts, targets = [], []
+        for start in range(0, h.shape[0], self.chunk_size):
+            stop = min(start + self.chunk_size, h.shape[0])
+            with torch.no_grad():
+                argmax, logp = source.chunk(start, stop, cols)
+            targets.append(index[argmax])
+            args = (draft, h[start:stop], prev[start:stop], targets[-1], logp, w[start:stop], self.loss_weights)
+            if self.checkpoint and torch.is_grad_enabled():
+                parts.append(grad_checkpoint(_rows, *args, use_reentrant=False))
+            else:
+                parts.append(_rows(*args))
+        grid = valid.shape
+
+        def scatter(i: int, dtype: torch.dtype) -> torch.Tensor:
+            flat = torch.cat([p[i] for p in parts]).detach() if parts else torch.zeros(0, device=ids.device)
+            return torch.zeros(grid, dtype=dtype, device=ids.device).index_put(sel, flat.to(dtype))
+
+        ce, tv, accept, bce, conf_p = (scatter(i, torch.float32) for i in range(1, 6))
+        pred = scatter(6, torch.long)
+        target = torch.full(grid, -1, dtype=torch.long, device=ids.device).index_put(
+            sel, torch.cat(targets) if targets else torch.zeros(0, dtype=torch.long, device=ids.device))
+        counts = valid.sum(dim=(0, 1))  # (P,)
+        denom = loss_normalizer.to(ids.device).float().sum() if loss_normalizer is not None else counts.sum().float()
+        if parts:
+            loss = sum(p[0] for p in parts) / denom.clamp(min=1)
+        else:  # no valid slot: a zero loss that keeps every parameter in the graph (DDP)
+            logits0, conf0 = draft.heads(hidden.new_zeros(b, draft.hidden_size) + hidden.sum() * 0,
+                                         torch.zeros(b, dtype=torch.long, device=ids.device))
+            loss = 0.0 * (logits0.sum() + (conf0.sum() if conf0 is not None else 0.0)
+                          + sum(kv[0].sum() + kv[1].sum() for kv in context))
+        correct = valid & (pred == target) & (target >= 0)
+        chain = torch.cumprod((correct | ~valid).int(), dim=2).bool()
+        before = torch.cat([torch.ones_like(chain[..., :1]), chain[..., :-1]], dim=2)  # all predictions < j right
+        per_slot = self.loss_weights.combine({"ce": ce, "tv": tv, "bce": bce})
+        metrics = {"wloss_sum": (weights * per_slot * valid).sum(dim=(0, 1)), "count": counts,
+                   "ce_sum": ce.sum(dim=(0, 1)), "tv_sum": tv.sum(dim=(0, 1)), "bce_sum": bce.sum(dim=(0, 1)),
+                   "accept_sum": accept.sum(dim=(0, 1)), "conf_sum": conf_p.sum(dim=(0, 1)),
+                   "correct": correct.sum(dim=(0, 1)), "cond_correct": (valid & before & correct).sum(dim=(0, 1)),
+                   "cond_count": (valid & before).sum(dim=(0, 1))}
+        return StepOutput(loss=loss, metrics=metrics)
+
+    def new_stats(self, device: torch.device) -> dict[str, torch.Tensor]:
+        return {key: torch.zeros(self.predictions, dtype=torch.float64, device=device) for key in METRIC_KEYS}
+
+    def summarize(self, stats: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        return summarize(stats)
+
+
+def summarize(stats: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Summed metrics -> ``loss`` (weighted per valid slot), per-prediction ``loss_steps`` (CE) / ``tv`` / ``acc`` /
+    ``cond_acc`` / ``accept_rate`` (mean 1 - tv) / ``confidence`` (mean predicted), ``accept_len`` (greedy chain, as
+    DFlash), ``expected_accept_len`` (1 + sum_j prod_{i<=j} accept_rate_i), ``confidence_bce``, ``positions``."""
+    m = {k: stats[k].detach().double().cpu() for k in METRIC_KEYS}
+    count = m["count"]
+    n = count.numel()
+
+    def per(key: str, denom: torch.Tensor = count) -> list[float]:
+        return [float(m[key][i]) / float(denom[i]) if denom[i] else 0.0 for i in range(n)]
+
+    cond, rates = per("cond_correct", m["cond_count"]), per("accept_sum")
+    accept, expected, run, run_e = 1.0, 1.0, 1.0, 1.0
+    for c, r in zip(cond, rates, strict=True):
+        run, run_e = run * c, run_e * r
+        accept, expected = accept + run, expected + run_e
+    total = float(count.sum())
+    return {"loss": float(m["wloss_sum"].sum()) / total if total else 0.0, "loss_steps": per("ce_sum"),
+            "tv": per("tv_sum"), "acc": per("correct"), "cond_acc": cond, "accept_rate": rates,
+            "confidence": per("conf_sum"), "confidence_bce": float(m["bce_sum"].sum()) / total if total else 0.0,
+            "accept_len": accept, "expected_accept_len": expected, "positions": float(count[0]) if n else 0.0}
