@@ -107,3 +107,58 @@ def make_tiny_mimo(path: Path, tokenizer, seed: int = 2, num_layers: int = TINY_
 @pytest.fixture(scope="session")
 def tiny_mimo_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
     return make_tiny_mimo(tmp_path_factory.mktemp("tiny-mimo"), smollm2_tokenizer)
+
+
+def make_tiny_deepseek(path: Path, tokenizer, seed: int = 3, num_layers: int = 2) -> Path:
+    """A tiny random DeepSeek-V3 verifier (MLA with head dims 32, 4 routed experts in 2 groups + 1 shared, layer 0
+    dense) with one MTP layer ``model.layers.{N}.*`` (enorm, hnorm, eh_proj, an MoE decoder layer, shared_head.norm,
+    shared_head.head = the verifier's lm_head, embed_tokens) added to its safetensors, as DeepSeek-V3 ships it."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    config = DeepseekV3Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32,
+        v_head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    state = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed + 100)
+    n, h = num_layers, 64
+    src = f"model.layers.{n - 1}."  # an MoE decoder layer of the verifier's shapes, re-drawn for the MTP layer
+    layer = {k.removeprefix(src): v for k, v in state.items() if k.startswith(src)}
+    layer.update({"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
+                  "shared_head.norm.weight": (h,)})
+    for name, value in layer.items():
+        shape = value if isinstance(value, tuple) else tuple(value.shape)
+        if name.endswith("e_score_correction_bias"):
+            drawn = 0.1 * torch.randn(shape, generator=g)
+        elif name.endswith("norm.weight"):
+            drawn = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        else:
+            drawn = 0.08 * torch.randn(shape, generator=g)
+        state[f"model.layers.{n}.{name}"] = drawn
+    state[f"model.layers.{n}.shared_head.head.weight"] = state["lm_head.weight"].clone()
+    state[f"model.layers.{n}.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(architectures=["DeepseekV3ForCausalLM"], num_nextn_predict_layers=1, scoring_func="sigmoid",
+               topk_method="noaux_tc", moe_layer_freq=1)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
+    return make_tiny_deepseek(tmp_path_factory.mktemp("tiny-deepseek"), smollm2_tokenizer)

@@ -1,6 +1,7 @@
 """MTP: the layer's forward pinned to a float64 re-derivation of vLLM's ``mimo_mtp.py`` and to fixed numbers, the
 K-step training rollout equal to the chained inference it trains for, reading the verifier's MTP weights (MiMo
-layout; errors for none and for the DeepSeek-V3 layout), the normalized step weights, the stitched export.
+layout; errors for none and for a layout the config does not describe), the normalized step weights, the stitched
+export. The DeepSeek-V3 layout: ``test_mtp_deepseek.py``.
 
     pytest -q tests/models/test_mtp.py
 """
@@ -190,7 +191,7 @@ def test_build_reads_the_verifiers_mimo_layer(tiny_mimo_dir):
     assert trainable == set(layer)  # embedding and lm_head frozen
 
 
-def test_build_errors_without_mtp_weights_and_for_deepseek_layout(tiny_llama_dir, tmp_path):
+def test_build_errors_without_mtp_weights_and_for_a_layout_the_config_does_not_describe(tiny_llama_dir, tmp_path):
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
@@ -209,7 +210,7 @@ def test_build_errors_without_mtp_weights_and_for_deepseek_layout(tiny_llama_dir
                "lm_head.weight": torch.zeros(config.vocab_size, 64),
                "model.layers.8.enorm.weight": torch.ones(64), "model.layers.8.eh_proj.weight": torch.zeros(64, 128)},
               str(deepseek / "model.safetensors"))
-    with pytest.raises(UserError, match=r"DeepSeek-V3-layout MTP layers .*not implemented"):
+    with pytest.raises(UserError, match=r"has deepseek_v3-layout MTP layers, but its config.json describes a mimo"):
         family.build(_inputs(deepseek, config), family.options())
 
 
@@ -264,5 +265,5 @@ def test_export_stitches_the_layer_into_a_copy_of_the_verifier(tiny_mimo_dir, ti
     fresh = family.build(_inputs(tiny_llama_dir, AutoConfig.from_pretrained(tiny_llama_dir)),
                          family.options(init="random"))
     save_draft(tmp_path / "llama", fresh, {"verifier": {"name_or_path": str(tiny_llama_dir)}})
-    with pytest.raises(UserError, match="only for MiMoForCausalLM verifiers"):
+    with pytest.raises(UserError, match="serves mimo-layout MTP layers for MiMoForCausalLM verifiers"):
         export(tmp_path / "llama", out=tmp_path / "out2")

@@ -47,3 +47,12 @@ def test_cli_family_flags_reach_the_section(tmp_path, capsys):
                  "--hidden-states", str(tmp_path / "missing"), "--eagle3-ttt-steps", "zero"])
     err = capsys.readouterr().err.strip()
     assert code == 1 and len(err.splitlines()) == 1 and "eagle3'.ttt_steps must be an integer" in err
+
+
+def test_vocab_is_required_only_by_families_with_their_own_vocabulary(tmp_path):
+    """``--vocab`` is the vocab stage's draft vocabulary; a family drafting over the verifier's whole vocabulary
+    (``uses_verifier_vocab``) needs none, every other family gets a one-line error naming the option."""
+    own = sorted(name for name, family in FAMILIES.items() if not family.uses_verifier_vocab)
+    assert own and len(own) < len(FAMILIES)
+    with pytest.raises(UserError, match=rf"--vocab is required for {own[0]}"):
+        train(verifier="v", out=tmp_path / "o", hidden_states=tmp_path / "h", algorithm=own[0])

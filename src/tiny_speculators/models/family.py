@@ -183,6 +183,7 @@ class DraftFamily:
     notes: dict[str, str] = field(default_factory=dict)
     fixed_aux_layer_ids: bool = False  # it always reads default_aux_layer_ids(N) (e.g. MTP: [N], the last state)
     reads_verifier_files: bool = False  # build reads weights from the verifier's own files (BuildInputs.verifier_path)
+    uses_verifier_vocab: bool = False  # it predicts over the verifier's whole vocabulary: train needs no --vocab
     # drafts of other families this one starts from (train --init-from): family name -> (that draft, this run's
     # options) -> a draft of this family holding its weights
     warm_starts: Mapping[str, Callable[[nn.Module, Any], nn.Module]] = field(default_factory=dict)

@@ -15,8 +15,8 @@ from typing import Any
 @dataclass(frozen=True)
 class TrainOptions:
     verifier: str
-    vocab: Path
     out: Path
+    vocab: Path | None
     algorithm: str
     family: Any
     hidden_states: Path | None = None

@@ -149,8 +149,22 @@ def _source_and_head(opts: TrainOptions, family: DraftFamily, info: D.DistInfo):
     from tiny_speculators.verifier.head import load_verifier_head
 
     head = load_verifier_head(opts.verifier, trust_remote_code=opts.trust_remote_code)
-    source = OfflineSource(opts.hidden_states, aux_layer_ids=opts.aux_layer_ids or None)
-    aux = source.aux_layer_ids
+    if family.fixed_aux_layer_ids:  # e.g. [N]: the last state, which the full layouts store beside the aux layers
+        from tiny_speculators.verifier.describe import text_config
+
+        n_layers = int(text_config(head.config).num_hidden_layers)
+        fixed = family.default_aux_layer_ids(n_layers)
+        if opts.aux_layer_ids and list(opts.aux_layer_ids) != fixed:
+            raise UserError(f"--aux-layer-ids: a {family.name} draft always reads verifier layer(s) {fixed}")
+        source = OfflineSource(opts.hidden_states)
+        lacking = [i for i in fixed if i not in source.aux_layer_ids and i != n_layers]
+        if lacking:
+            raise UserError(f"a {family.name} draft reads verifier layer(s) {lacking}, which the extraction "
+                            f"{opts.hidden_states} lacks (it has {source.aux_layer_ids})")
+        aux = fixed
+    else:
+        source = OfflineSource(opts.hidden_states, aux_layer_ids=opts.aux_layer_ids or None)
+        aux = source.aux_layer_ids
     _check_manifest(source.manifest, head.config, opts)
     return source, head, aux
 
@@ -178,17 +192,22 @@ def _initial_draft(opts: TrainOptions, family: DraftFamily, head, aux: list[int]
         raise UserError(f"--init-from {opts.init_from} was trained on aux layers {dcfg['aux_layer_ids']}, "
                         f"this run uses {aux}")
     if hasattr(draft, "d2t") and not torch.equal(draft.d2t.cpu(), d2t.long()):
-        raise UserError(f"--init-from {opts.init_from} has a different draft vocabulary than {opts.vocab}")
+        raise UserError(f"--init-from {opts.init_from} has a different draft vocabulary than "
+                        f"{opts.vocab or 'the verifier'}")
     return draft
 
 
 def build_run(info: D.DistInfo, opts: TrainOptions, family: DraftFamily) -> Run:
     from tiny_speculators.data.vocab import load_vocab
-    from tiny_speculators.verifier.describe import verifier_record
+    from tiny_speculators.verifier.describe import text_config, verifier_record
 
-    d2t, t2d = load_vocab(opts.vocab)
-    d2t, t2d = torch.as_tensor(d2t), torch.as_tensor(t2d)
     source, head, aux = _source_and_head(opts, family, info)
+    if opts.vocab is None:  # the family drafts over the verifier's whole vocabulary (uses_verifier_vocab)
+        size = int(text_config(head.config).vocab_size)
+        d2t, t2d = torch.zeros(size, dtype=torch.long), torch.ones(size, dtype=torch.bool)
+    else:
+        d2t, t2d = load_vocab(opts.vocab)
+        d2t, t2d = torch.as_tensor(d2t), torch.as_tensor(t2d)
     draft = _initial_draft(opts, family, head, aux, d2t, t2d)
     head.target_head.to(info.device)
     draft.to(info.device)

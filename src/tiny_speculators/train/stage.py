@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 
 def train(
     verifier: str,
-    vocab: Path,
     out: Path,
+    vocab: Path | None = None,
     hidden_states: Path | None = None,
     data: Path | None = None,
     online: bool = False,
@@ -87,8 +87,9 @@ def train(
 
     Args:
         verifier: HF id, local folder, or an embedded name (smollm2-135m); the model the draft speculates for.
-        vocab: vocab output folder (vocab.safetensors with d2t / t2d).
         out: output folder: step_XXXXXX/ checkpoints, best/, final/, metrics.jsonl, tb/, training.png, summary.json.
+        vocab: vocab output folder (vocab.safetensors with d2t / t2d); not used (and not needed) by families that
+            predict over the verifier's whole vocabulary.
         hidden_states: extract output folder (offline training).
         data: prepare output folder (online training; needs --online).
         online: run the verifier in this process to produce hidden states on the fly (no disk).
@@ -148,6 +149,11 @@ def train(
     family = get_family(algorithm)
     options = parse_options(family.options, family_options.get(algorithm), f"train.{algorithm}")
     out = Path(out)
+    if vocab is None and not family.uses_verifier_vocab:
+        raise UserError(f"--vocab is required for {algorithm} (the vocab stage's output folder)")
+    if vocab is not None and family.uses_verifier_vocab:
+        log.info("%s drafts over the verifier's whole vocabulary: --vocab %s is not used", algorithm, vocab)
+        vocab = None
     if online == (hidden_states is not None):
         raise UserError("give either --hidden-states DIR (offline) or --data PREPARED_DIR --online")
     if online and data is None:
@@ -174,7 +180,7 @@ def train(
         except ImportError:
             raise UserError("attention 'flex' needs torch.nn.attention.flex_attention; use --attention sdpa") from None
     opts = TrainOptions(
-        verifier=verifier, vocab=Path(vocab), out=out, algorithm=algorithm, family=options,
+        verifier=verifier, vocab=None if vocab is None else Path(vocab), out=out, algorithm=algorithm, family=options,
         hidden_states=hidden_states, data=data, online=online, max_steps=max_steps, epochs=epochs,
         batch_size=batch_size, batch_tokens=batch_tokens, pack=pack, max_length=max_length, grad_accum=grad_accum,
         lr=lr, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, weight_decay=weight_decay,

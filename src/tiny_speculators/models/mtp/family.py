@@ -1,12 +1,14 @@
 """MTP (fine-tune a verifier's own multi-token-prediction layer, FastMTP-style) as a draft family.
 
     train: {algorithm: mtp, mtp: {steps: 3, beta: 0.6}}                  # YAML
-    tiny-speculators train --verifier path/to/MiMo --data runs/prepared --online --vocab runs/vocab \
+    tiny-speculators train --verifier path/to/MiMo --data runs/prepared --online \
         --algorithm mtp --mtp-steps 3 --out runs/mtp                    # then: export, vllm serve (method mtp)
+    tiny-speculators train ... --algorithm mtp --init-from runs/mtp     # fine-tune further (or from its export)
 
-The layer is read from the verifier's own safetensors (``weights.py``); ``--mtp-init random`` starts a fresh one
-for a verifier without MTP weights. The draft reads the verifier's last hidden state (aux layer id N) and the
-whole vocabulary (the vocab stage's draft vocabulary is not used: the lm_head is the verifier's).
+The layer is read from the verifier's own safetensors (``weights.py``; MiMo or DeepSeek-V3 layout, chosen by the
+verifier's config); ``--mtp-init random`` starts a fresh one for a verifier without MTP weights. The draft reads
+the verifier's last hidden state (aux layer id N) and predicts over its whole vocabulary (``uses_verifier_vocab``:
+train needs no ``--vocab``; the lm_head is the verifier's).
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ from tiny_speculators.errors import UserError
 from tiny_speculators.models.family import BuildInputs, DraftFamily
 from tiny_speculators.models.losses import LossSpec
 from tiny_speculators.models.mtp import stitched
-from tiny_speculators.models.mtp.model import BIASES, LAYER_TENSORS, MTPDraft
+from tiny_speculators.models.mtp.model import MTPDraft
 from tiny_speculators.models.mtp.objective import MTPObjective
 from tiny_speculators.models.mtp.proposer import MTPProposer
-from tiny_speculators.models.mtp.weights import mtp_layout, read_mimo_layer, read_shared, verifier_folder
+from tiny_speculators.models.mtp.weights import mtp_layout, read_prefixed, read_shared, verifier_folder
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ class MTPOptions:
         steps: recursive MTP steps trained per position (K); also the default number of speculative tokens.
         beta: weight of step k's mean loss is beta**(k-1), the weights normalized to sum to 1.
         init: verifier = start from the verifier's own MTP layer (error if it has none); random = a fresh layer.
-        layer: which of the verifier's MTP layers to fine-tune (``model.mtp_layers.{k}``).
+        layer: which of the verifier's MTP layers to fine-tune (``model.mtp_layers.{k}`` / ``model.layers.{N+k}``).
     """
 
     steps: int = 3
@@ -63,13 +65,15 @@ def _layer_weights(path: str, draft: MTPDraft, options: MTPOptions) -> dict[str,
         raise UserError(f"verifier {path} has no MTP weights (no model.mtp_layers.* or model.layers.{n}.eh_proj "
                         "in its safetensors): pass --mtp-init random to train a fresh MTP layer")
     layout, count = found
-    if layout != "mimo":
-        raise UserError(f"verifier {path} has DeepSeek-V3-layout MTP layers (model.layers.{n}.enorm/hnorm/eh_proj): "
-                        "recognized, but their MLA/MoE decoder layer is not implemented here (MiMo layout only)")
+    if layout != draft.layout:
+        hint = " (no kv_lora_rank: only DeepSeek-V3's MLA layer is implemented for it, not e.g. GLM-4.5's)" \
+            if layout == "deepseek_v3" else ""
+        raise UserError(f"verifier {path} has {layout}-layout MTP layers, but its config.json describes a "
+                        f"{draft.layout} model{hint}")
     if options.layer >= count:
         raise UserError(f"--mtp-layer {options.layer}: verifier {path} has {count} MTP layer(s)")
-    names = LAYER_TENSORS + (BIASES if draft.kwargs["qkv_bias"] else ())
-    return read_mimo_layer(folder, options.layer, names)
+    prefix = stitched.layer_prefix(draft.kwargs)
+    return stitched.layer_from_tensors(draft.kwargs, read_prefixed(folder, prefix), f"{folder} ({prefix}*)")
 
 
 def build(inputs: BuildInputs, options: MTPOptions) -> MTPDraft:
@@ -88,12 +92,13 @@ def build(inputs: BuildInputs, options: MTPOptions) -> MTPDraft:
     if embed is None or lm_head is None:
         raise UserError("an MTP layer shares the verifier's embedding and lm_head, and neither was given")
     state = draft.state_dict()
-    for name, value in {**layer, "embed_tokens.weight": embed, "lm_head.weight": lm_head}.items():
+    values = {"embed_tokens.weight": embed, "lm_head.weight": lm_head, **layer}  # DeepSeek: the layer's own head
+    for name, value in values.items():
         if tuple(value.shape) != tuple(state[name].shape):
             raise UserError(f"verifier tensor {name} has shape {tuple(value.shape)}, the MTP layer needs "
                             f"{tuple(state[name].shape)}")
     with torch.no_grad():
-        for name, value in {**layer, "embed_tokens.weight": embed, "lm_head.weight": lm_head}.items():
+        for name, value in values.items():
             state[name].copy_(value.to(state[name].dtype))
     if int(inputs.t2d.sum()) != int(inputs.t2d.numel()):
         log.info("MTP drafts over the verifier's whole vocabulary: the given draft vocabulary is not used")
@@ -123,4 +128,5 @@ FAMILY = DraftFamily(
     speculative_tokens=lambda options: options.steps,
     fixed_aux_layer_ids=True,
     reads_verifier_files=True,
+    uses_verifier_vocab=True,
 )

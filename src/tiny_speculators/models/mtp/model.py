@@ -1,4 +1,5 @@
-"""One multi-token-prediction (MTP) layer of a verifier: exactly what vLLM 0.32 runs for MiMo's ``mimo_mtp``.
+"""One multi-token-prediction (MTP) layer of a verifier: exactly what vLLM 0.32 runs for MiMo's ``mimo_mtp`` and
+for DeepSeek-V3's ``deepseek_mtp`` (``layout``).
 
 Equations (vLLM's ``mimo_mtp.py``; names as in MiMo's checkpoint ``model.mtp_layers.{k}.*``)::
 
@@ -8,6 +9,13 @@ Equations (vLLM's ``mimo_mtp.py``; names as in MiMo's checkpoint ``model.mtp_lay
     out    = r + mlp(post_attention_layernorm(r))
     y      = final_layernorm(out)                                        # what the model returns, (B, T, H)
     logits = lm_head(y)                                                  # the verifier's lm_head, predicts x_{t+2}
+
+DeepSeek-V3 (``deepseek_mtp.py``; names ``model.layers.{N+k}.*``): the same shape with the TOKEN FIRST::
+
+    u      = eh_proj(concat(enorm(e), hnorm(h_t)))                      # embedding first, then hidden
+    out    = <DeepSeek-V3 decoder block: MLA attention, MoE or dense MLP>(u)    (``deepseek.py``)
+    y      = shared_head.norm(out)          # vLLM: logits = head(shared_head.norm(out)), and feeds back the same
+    logits = shared_head.head(y)            # the layer's own head (``lm_head`` here; frozen)
 
 ``h_t`` is the verifier's last decoder layer output BEFORE its final norm at the first draft step (vLLM's
 MiMo target model returns ``hidden_states + residual``), and the layer's own output ``y`` (after
@@ -32,6 +40,7 @@ from torch import nn
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.eagle3.model import MLP, Attention, Eagle3Output, KVCache, RMSNorm, Rotary
+from tiny_speculators.models.mtp import deepseek
 
 __all__ = ["LAYER_TENSORS", "MTPDraft"]
 
@@ -43,6 +52,8 @@ LAYER_TENSORS = (
     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "final_layernorm.weight",
 )
 BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+SHARED = ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d")  # the verifier's, or vocabulary maps
+LAYOUTS = ("mimo", "deepseek_v3")
 
 
 class MTPDraft(nn.Module):
@@ -56,6 +67,8 @@ class MTPDraft(nn.Module):
         qkv_bias: biases on q/k/v (Qwen2 and MiMo: true); o_proj never has one.
         mtp_index: which of the verifier's MTP layers this is (``model.mtp_layers.{mtp_index}``).
         aux_layer_ids: must be ``[num_hidden_layers]`` (accepted so checkpoints rebuild from their kwargs).
+        layout: ``mimo`` (``model.mtp_layers.{k}``) or ``deepseek_v3`` (``model.layers.{N+k}``).
+        deepseek: the verifier's DeepSeek-V3 fields (``deepseek.FIELDS``), for ``layout: deepseek_v3``.
     """
 
     def __init__(
@@ -74,6 +87,8 @@ class MTPDraft(nn.Module):
         qkv_bias: bool = True,
         mtp_index: int = 0,
         aux_layer_ids: list[int] | None = None,
+        layout: str = "mimo",
+        deepseek: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if aux_layer_ids is not None and [int(i) for i in aux_layer_ids] != [num_hidden_layers]:
@@ -88,12 +103,21 @@ class MTPDraft(nn.Module):
             num_key_value_heads=num_key_value_heads, head_dim=head_dim, intermediate_size=intermediate_size,
             num_hidden_layers=num_hidden_layers, rms_norm_eps=rms_norm_eps, rope_parameters=rope_parameters,
             max_position_embeddings=max_position_embeddings, qkv_bias=qkv_bias, mtp_index=mtp_index,
-            aux_layer_ids=[int(num_hidden_layers)],
+            aux_layer_ids=[int(num_hidden_layers)], layout=layout, deepseek=deepseek,
         )
+        if layout not in LAYOUTS:
+            raise UserError(f"MTP layout {layout!r} is not supported (supported: {', '.join(LAYOUTS)})")
+        self.layout = layout
         self.hidden_size = hidden_size
         self.draft_vocab_size = vocab_size  # the verifier's lm_head: the whole vocabulary
 
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(vocab_size, dtype=torch.bool))
+        if layout == "deepseek_v3":
+            self._init_deepseek(deepseek)
+            return
         self.token_layernorm = RMSNorm(hidden_size, rms_norm_eps)
         self.hidden_layernorm = RMSNorm(hidden_size, rms_norm_eps)
         self.input_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
@@ -107,16 +131,37 @@ class MTPDraft(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
         self.mlp = MLP(hidden_size, intermediate_size)
         self.final_layernorm = RMSNorm(hidden_size, rms_norm_eps)
-        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
         self.rotary = Rotary(head_dim, rope_parameters, max_position_embeddings)
-        self.register_buffer("d2t", torch.zeros(vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(vocab_size, dtype=torch.bool))
+        self.reset_parameters()
+        self.freeze_shared()
+
+    def _init_deepseek(self, fields: dict[str, Any] | None) -> None:
+        kw = self.kwargs
+        if fields is None:
+            raise UserError("an MTP layer in the DeepSeek-V3 layout needs the verifier's DeepSeek-V3 fields")
+        hidden, eps = kw["hidden_size"], kw["rms_norm_eps"]
+        self._hf_config = deepseek.hf_config(
+            fields, vocab_size=kw["vocab_size"], hidden_size=hidden, intermediate_size=kw["intermediate_size"],
+            num_attention_heads=kw["num_attention_heads"], rms_norm_eps=eps, rope_parameters=kw["rope_parameters"],
+            max_position_embeddings=kw["max_position_embeddings"])
+        self.enorm = RMSNorm(hidden, eps)
+        self.hnorm = RMSNorm(hidden, eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        layer_idx = kw["num_hidden_layers"] + kw["mtp_index"]
+        for name, module in deepseek.block_modules(self._hf_config, deepseek.is_moe(fields, layer_idx)).items():
+            self.add_module(name, module)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(hidden, eps)
+        self.rotary = deepseek.rotary(self._hf_config)
         self.reset_parameters()
         self.freeze_shared()
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
         """A fresh layer (``init: random``): Normal(0, std) weights, zero biases, unit norms."""
+        if self.layout == "deepseek_v3":
+            deepseek.reset_named(self, std)
+            return
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 m.weight.normal_(0.0, std)
@@ -132,19 +177,26 @@ class MTPDraft(nn.Module):
 
     def after_load(self, device: str | torch.device) -> None:
         """After weights were assigned into a meta-device build: rebuild RoPE buffers, re-freeze shared weights."""
+        if self.layout == "deepseek_v3":
+            self.rotary = deepseek.rotary(self._hf_config).to(device)
+            self.freeze_shared()
+            return
         self.rotary = Rotary(self.kwargs["head_dim"], self.kwargs["rope_parameters"],
                              self.kwargs["max_position_embeddings"]).to(device)
         self.freeze_shared()
 
     def layer_state(self) -> dict[str, torch.Tensor]:
-        """The MTP layer's own tensors (MiMo names after ``model.mtp_layers.{k}.``), without the shared ones."""
+        """The MTP layer's own tensors, named as in the checkpoint after its layer prefix (MiMo:
+        ``model.mtp_layers.{k}.``, DeepSeek-V3: ``model.layers.{N+k}.``), without the shared embedding/head."""
         state = self.state_dict()
+        if self.layout == "deepseek_v3":
+            return deepseek.to_checkpoint({k: v for k, v in state.items() if k not in SHARED})
         names = LAYER_TENSORS + (BIASES if self.kwargs["qkv_bias"] else ())
         return {name: state[name] for name in names}
 
     def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
         """The verifier's last pre-norm hidden state ``[..., H]`` as the first step's ``h`` (no fusion)."""
-        return hidden.to(self.input_proj.weight.dtype)
+        return hidden.to(self.lm_head.weight.dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The layer's (already final-normed) output ``[..., H]`` -> logits over the vocabulary ``[..., V]``."""
@@ -173,6 +225,10 @@ class MTPDraft(nn.Module):
         """
         embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)  # (B, T, H)
         embeds = torch.where(position_ids[..., None] == 0, torch.zeros_like(embeds), embeds)
+        if self.layout == "deepseek_v3":  # token FIRST in the concat; shared_head.norm is the final norm
+            u = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden_states)], dim=-1))  # (B, T, H)
+            y = self.shared_head.norm(deepseek.block_forward(self, u, position_ids, attention_mask, cache))
+            return Eagle3Output(logits=self.compute_logits(y) if logits else None, hidden_states=y)
         cos, sin = self.rotary(position_ids, hidden_states.dtype)
         u = self.input_proj(torch.cat([self.hidden_layernorm(hidden_states), self.token_layernorm(embeds)], dim=-1))
         r = u + self.self_attn(self.input_layernorm(u), cos, sin, attention_mask, cache)  # (B, T, H)

@@ -28,7 +28,7 @@ class MTPProposer(Eagle3Proposer):
 
     @property
     def device(self) -> torch.device:
-        return self.draft.input_proj.weight.device
+        return self.draft.lm_head.weight.device
 
     def build_tree(self, root, params):  # pragma: no cover - never called: supports_tree is False
         raise NotImplementedError("MTP drafts propose chains only (as vLLM runs them)")

@@ -5,9 +5,9 @@ Layouts:
 * **MiMo** (``MiMoForCausalLM``): ``model.mtp_layers.{k}.{token_layernorm, hidden_layernorm, input_proj,
   input_layernorm, self_attn.*, post_attention_layernorm, mlp.*, final_layernorm}``; the embedding and lm_head
   are the verifier's. Supported: read, trained, written back.
-* **DeepSeek-V3** (also GLM-4.5's): ``model.layers.{N+k}.{enorm, hnorm, eh_proj, shared_head.*, <an MLA/MoE
-  decoder layer>}``. Recognized, but its decoder layer (multi-head latent attention, mixture of experts) is not
-  implemented here, so it is refused with a one-line error rather than half-loaded.
+* **DeepSeek-V3** (``DeepseekV3ForCausalLM``): ``model.layers.{N+k}.{enorm, hnorm, eh_proj, shared_head.norm,
+  shared_head.head, <an MLA + MoE/dense decoder layer>}`` (N = num_hidden_layers; the layer's ``embed_tokens``, when
+  stored, is the verifier's). Supported: read, trained, written back (``deepseek.py`` maps the expert names).
 
     from tiny_speculators.models.mtp.weights import mtp_layout, read_mimo_layer
     print(mtp_layout("path/to/MiMo-7B-RL", num_hidden_layers=36))   # ('mimo', 1)
@@ -21,7 +21,7 @@ import torch
 
 from tiny_speculators.errors import UserError
 
-__all__ = ["mtp_layout", "read_mimo_layer", "read_shared", "verifier_folder"]
+__all__ = ["mtp_layout", "read_mimo_layer", "read_prefixed", "read_shared", "verifier_folder"]
 
 EMBED_KEYS = ("model.embed_tokens.weight", "embed_tokens.weight")
 
@@ -66,7 +66,7 @@ def mtp_layout(folder: Path, num_hidden_layers: int) -> tuple[str, int] | None:
     deepseek = {int(k.split(".")[2]) for k in keys
                 if k.startswith("model.layers.") and k.endswith(".eh_proj.weight")}
     if deepseek:
-        return "deepseek", len([i for i in deepseek if i >= num_hidden_layers])
+        return "deepseek_v3", len([i for i in deepseek if i >= num_hidden_layers])
     return None
 
 
@@ -78,6 +78,13 @@ def read_mimo_layer(folder: Path, index: int, names: tuple[str, ...]) -> dict[st
     if missing:
         raise UserError(f"{folder} lacks MTP tensor(s) {', '.join(prefix + n for n in missing)}")
     state = _read(keys, [prefix + n for n in names])
+    return {k.removeprefix(prefix): v for k, v in state.items()}
+
+
+def read_prefixed(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """Every tensor whose name starts with ``prefix`` (e.g. ``model.layers.61.``), keyed without it."""
+    keys = _index(folder)
+    state = _read(keys, [k for k in keys if k.startswith(prefix)])
     return {k.removeprefix(prefix): v for k, v in state.items()}
 
 
