@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tiny_speculators import cli
-from tiny_speculators.benchmark.server import VllmServer, vllm_python
+from tiny_speculators.serving import VllmServer, vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
