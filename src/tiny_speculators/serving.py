@@ -263,6 +263,15 @@ class VllmServer:
                                 f"(log: {self.log_path})")
             time.sleep(1.0)
 
+    def check_running(self) -> None:
+        """Nothing while the server runs; a :class:`UserError` with its log's failure line once it has exited."""
+        process = self.process
+        code = process.poll() if process is not None else None
+        if process is not None and code is None:
+            return
+        reason = failure_reason(self._log_text()) or (f"exit code {code}" if code is not None else "stopped")
+        raise UserError(f"{self.name} exited while serving: {reason} (log: {self.log_path})")
+
     def stop(self, grace: float = 30.0) -> None:
         """SIGTERM the server's process group, SIGKILL it after ``grace`` seconds; idempotent."""
         process, self.process = self.process, None
