@@ -177,7 +177,8 @@ class EndpointGenerator:
 
 
 def start_vllm(stack: contextlib.ExitStack, python: Path, verifier: str, out: Path, *, served_model_name: str,
-               dtype: str, seed: int, port: int | None, startup_timeout: float, trust_remote_code: bool) -> Any:
+               dtype: str, seed: int, port: int | None, startup_timeout: float, trust_remote_code: bool,
+               enforce_eager: bool = False) -> Any:
     """``vllm serve`` of the verifier's own folder (the one the in-process backend loads) until ``stack`` closes.
 
     Returns the running :class:`~tiny_speculators.serving.VllmServer`; it is stopped when ``stack`` closes, also
@@ -192,5 +193,6 @@ def start_vllm(stack: contextlib.ExitStack, python: Path, verifier: str, out: Pa
     extra = ["--trust-remote-code"] if trust_remote_code else []
     server = VllmServer(python, resolve_verifier(verifier), log_path=log_path, port=port,
                         served_model_name=served_model_name, dtype=dtype, max_model_len=None, seed=seed,
-                        startup_timeout=startup_timeout, extra_args=extra, name="vllm serve (regenerate)")
+                        enforce_eager=enforce_eager, startup_timeout=startup_timeout, extra_args=extra,
+                        name="vllm serve (regenerate)")
     return stack.enter_context(server)

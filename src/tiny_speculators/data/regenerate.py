@@ -218,7 +218,7 @@ def _generate(stack: contextlib.ExitStack, todo: list[_Work], done: dict[str, di
               backend: str, verifier: str, endpoint: str | None, model: str, vllm_python: Path | None,
               port: int | None, startup_timeout: float, dtype: str, device: str, max_new_tokens: int,
               temperature: float, top_p: float, seed: int, enable_thinking: bool | None, batch_size: int,
-              timeout: float, trust_remote_code: bool) -> dict[str, Any]:
+              timeout: float, trust_remote_code: bool, enforce_eager: bool) -> dict[str, Any]:
     """Answer every record of ``todo``, appending each finished one to ``partial.jsonl`` (and ``done``)."""
     s0 = time.perf_counter()
     if backend == "transformers":
@@ -229,7 +229,8 @@ def _generate(stack: contextlib.ExitStack, todo: list[_Work], done: dict[str, di
         if backend == "vllm":
             assert vllm_python is not None
             server = start_vllm(stack, vllm_python, verifier, out, served_model_name=model, dtype=dtype, seed=seed,
-                                port=port, startup_timeout=startup_timeout, trust_remote_code=trust_remote_code)
+                                port=port, startup_timeout=startup_timeout, trust_remote_code=trust_remote_code,
+                                enforce_eager=enforce_eager)
             endpoint, check = server.url, server.check_running
         assert endpoint is not None
         gen = EndpointGenerator(endpoint, model, max_new_tokens, temperature, top_p, seed, enable_thinking,
@@ -290,6 +291,7 @@ def regenerate(
     vllm_venv: Path | None = None,
     port: int | None = None,
     startup_timeout: float = 900.0,
+    enforce_eager: bool = False,
 ) -> dict[str, Any]:
     """Replace every assistant turn of a chat dataset with the verifier's own answer.
 
@@ -322,6 +324,7 @@ def regenerate(
             ~/.cache/tiny-speculators/vllm-venv, where scripts/vllm_env.sh builds it).
         port: Loopback port for the server ``backend: vllm`` starts (default: a free one).
         startup_timeout: Seconds to wait for that server to answer /health.
+        enforce_eager: Start that server without torch.compile (starts sooner, decodes slower).
     """
     t0 = time.perf_counter()
     if max_new_tokens < 1:
@@ -371,7 +374,7 @@ def regenerate(
                 vllm_python=vllm_python, port=port, startup_timeout=startup_timeout, dtype=dtype, device=device,
                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                 enable_thinking=enable_thinking, batch_size=batch_size, timeout=timeout,
-                trust_remote_code=trust_remote_code)
+                trust_remote_code=trust_remote_code, enforce_eager=enforce_eager)
     generated_tokens, truncated, turns = (totals.get(k, 0) for k in ("tokens", "truncated", "turns"))
     gen_seconds = totals.get("seconds", 0.0)
 
