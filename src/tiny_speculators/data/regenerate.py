@@ -237,10 +237,11 @@ def _generate(stack: contextlib.ExitStack, todo: list[_Work], done: dict[str, di
                                 batch_size, timeout, eos_in_usage=backend == "vllm", check=check)
     for w in todo:
         _advance(w)  # every record now has its first prompt (it has a user turn)
-    # Multi-turn records together (their later turns then still run as full batches, not as a few
-    # stragglers per batch), and similar lengths together (less padding).
+    # In-process: multi-turn records together (their later turns then still run as full batches, not as a few
+    # stragglers per batch), and similar lengths together (less padding). Streamed to a server: the longest
+    # chains of turns first, so that their later turns overlap the single-turn records instead of trailing.
     todo.sort(key=lambda w: (sum(m["role"] == "user" for m in w.conv.messages),
-                             sum(len(m["content"]) for m in w.history)))
+                             sum(len(m["content"]) for m in w.history)), reverse=backend != "transformers")
     totals = {"tokens": 0, "truncated": 0, "turns": 0, "records": 0}
     g0 = time.perf_counter()
     totals["start_seconds"] = g0 - s0  # loading the verifier, or starting its server
