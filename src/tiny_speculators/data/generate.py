@@ -96,7 +96,10 @@ class HFGenerator:
                 if t in self.eos:
                     n, ended = j, True
                     break
-            text = self.tokenizer.decode(row[:n], skip_special_tokens=True).strip()
+            text = self.tokenizer.decode(row[:n], skip_special_tokens=True)
+            if not ended:  # cut inside a character's byte tokens: drop the U+FFFD (vLLM holds those bytes back)
+                text = text.rstrip("\ufffd")
+            text = text.strip()
             results.append((text, n, not ended))
         return results
 
