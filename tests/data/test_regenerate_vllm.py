@@ -108,7 +108,9 @@ def test_ctrl_c_stops_the_server(venv, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "tiny_speculators.cli", "regenerate", "--verifier", "smollm2-135m",
                              "--data", str(data), "--out", str(out), "--backend", "vllm", "--max-new-tokens", "4096",
                              "--batch-size", "1"],
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal, also
+                            # when pytest itself runs in the background (which ignores SIGINT for its children)
     lines = []
     assert proc.stderr is not None
     for line in proc.stderr:  # wait until the server answers and generation has begun
