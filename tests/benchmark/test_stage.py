@@ -11,9 +11,9 @@ import socket
 import pytest
 
 from tiny_speculators import cli
-from tiny_speculators.benchmark.server import free_port
 from tiny_speculators.benchmark.stage import benchmark, read_draft, serving_verifier
 from tiny_speculators.errors import UserError
+from tiny_speculators.serving import free_port
 
 
 def _one_line_error(capsys, argv: list[str]) -> str:

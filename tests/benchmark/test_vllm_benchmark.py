@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from serving_helpers import vllm_processes
 from tiny_speculators import cli
-from tiny_speculators.benchmark.server import VllmServer, vllm_python
+from tiny_speculators.serving import VllmServer, vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -40,20 +41,6 @@ def counter(text: str, name: str, position: int | None = None) -> int:
     label = rf'[^}}]*position="{position}"[^}}]*' if position is not None else r"[^}]*"
     values = re.findall(rf"^{re.escape(name)}_total\{{{label}\}} (\S+)$", text, flags=re.M)
     return round(sum(float(v) for v in values))
-
-
-def vllm_processes(ports: list[int]) -> list[str]:
-    """Command lines of vLLM api servers still listening on one of ``ports`` (from /proc)."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        text = " ".join(a.decode(errors="replace") for a in args)
-        if "vllm.entrypoints.openai.api_server" in text and any(f"--port {p} " in text + " " for p in ports):
-            found.append(text)
-    return found
 
 
 def run_cli(out: Path, *args: str) -> int:

@@ -188,3 +188,17 @@ def test_cli(tmp_path, tiny_llama_dir):
     rc = main(["regenerate", "--verifier", str(tiny_llama_dir), "--data", str(data), "--out", str(tmp_path / "o"),
                "--max-new-tokens", "4", "--batch-size", "2"])
     assert rc == 0 and len(read_chats(tmp_path / "o")) == 2
+
+
+def test_vllm_backend_falls_back_in_process_when_its_environment_cannot_be_built(tmp_path, tiny_llama_dir,
+                                                                                  monkeypatch, caplog):
+    monkeypatch.setenv("PYTHON", str(tmp_path / "no-such-python"))  # scripts/vllm_env.sh fails at once
+    data = write_jsonl(tmp_path / "in.jsonl", RECORDS[:2])
+    summary = regenerate(str(tiny_llama_dir), [data], tmp_path / "out", backend="vllm", vllm_venv=tmp_path / "venv",
+                         max_new_tokens=4)
+    assert summary["backend"] == "transformers" and summary["kept"] == 2
+    (warning,) = [r.getMessage() for r in caplog.records if "backend vllm is not available" in r.getMessage()]
+    assert "\n" not in warning and "scripts/vllm_env.sh failed" in warning and warning.endswith("instead")
+    assert (tmp_path / "out" / "vllm-env.log").is_file()
+    with pytest.raises(UserError, match="--endpoint goes with --backend endpoint"):
+        regenerate(str(tiny_llama_dir), [data], tmp_path / "x", backend="vllm", endpoint="http://127.0.0.1:1")

@@ -4,6 +4,6 @@
 """
 
 from tiny_speculators.benchmark.metrics import ServerCounters, SpecDecodeCounters, parse_prometheus, server_counters
-from tiny_speculators.benchmark.server import VllmServer
+from tiny_speculators.serving import VllmServer
 
 __all__ = ["ServerCounters", "SpecDecodeCounters", "VllmServer", "parse_prometheus", "server_counters"]

@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from tiny_speculators.benchmark.server import clean_env
 from tiny_speculators.errors import UserError
 from tiny_speculators.evaluate.prompts import Prompt
+from tiny_speculators.serving import clean_env
 
 __all__ = ["GUIDELLM_VERSION", "LoadResult", "find_guidellm", "parse_report", "run_guidellm", "write_dataset"]
 

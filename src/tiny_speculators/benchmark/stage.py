@@ -31,15 +31,15 @@ from tiny_speculators.atomic import write_json_atomic
 from tiny_speculators.benchmark.load import GUIDELLM_VERSION, LoadResult, find_guidellm, run_guidellm, write_dataset
 from tiny_speculators.benchmark.metrics import ServerCounters, fetch_metrics, server_counters
 from tiny_speculators.benchmark.report import level_entry, overall_acceptance, print_table, save_plot, side_entry
-from tiny_speculators.benchmark.server import (
+from tiny_speculators.errors import UserError
+from tiny_speculators.evaluate.prompts import load_prompts
+from tiny_speculators.serving import (
     VllmServer,
     check_port_free,
     default_vllm_venv,
     sigterm_as_exit,
     vllm_python,
 )
-from tiny_speculators.errors import UserError
-from tiny_speculators.evaluate.prompts import load_prompts
 
 __all__ = ["benchmark"]
 

