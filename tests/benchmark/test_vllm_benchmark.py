@@ -168,7 +168,9 @@ def test_ctrl_c_stops_the_server(bench_venv, exported_draft, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "tiny_speculators.cli", "benchmark", "--draft", str(exported_draft),
                              "--verifier", "smollm2-135m", "--out", str(out), "--concurrency", "1", "--requests", "64",
                              "--output-tokens", "64", "--enforce-eager", "--kv-cache-gb", "2"],
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal, also
+                            # when pytest itself runs in the background (which ignores SIGINT for its children)
     lines = []
     assert proc.stderr is not None
     for line in proc.stderr:  # wait until GuideLLM is loading the server
