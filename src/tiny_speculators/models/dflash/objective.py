@@ -41,7 +41,7 @@ from tiny_speculators.models.losses import (
 KEEP = "_dflash_anchors"  # batch key: (anchors [B, N], valid [B, N]) set by loss_counts
 METRIC_KEYS = ("loss_sum", "wloss_sum", "count", "correct", "cond_correct", "cond_count")
 
-__all__ = ["DFlashObjective", "block_inputs", "candidate_anchors", "sample_anchors", "slot_weights"]
+__all__ = ["DFlashObjective", "batch_anchors", "block_inputs", "candidate_anchors", "sample_anchors", "slot_weights"]
 
 
 def _documents(batch: Mapping[str, Any]) -> torch.Tensor:
@@ -90,6 +90,20 @@ def sample_anchors(candidates: torch.Tensor, doc: torch.Tensor, per_document: in
     return anchors.to(candidates.device), valid.to(candidates.device)
 
 
+def batch_anchors(batch: dict[str, Any], key: str, block_size: int, per_document: int,
+                  training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """This forward's ``(anchors [B, N], valid [B, N])``: in training ``per_document`` random ones, sampled once and
+    kept in ``batch[key]`` (``loss_counts`` samples them, ``forward`` reuses them); in eval every candidate."""
+    if key in batch:
+        return batch[key]
+    doc = _documents(batch)
+    cand = candidate_anchors(batch["loss_mask"], doc, block_size)
+    out = sample_anchors(cand, doc, per_document if training else None)
+    if training:
+        batch[key] = out
+    return out
+
+
 def block_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, doc: torch.Tensor, anchors: torch.Tensor,
                  block_size: int, mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Blocks of ``anchors [B, N]``: ids and positions ``[B, N*L]`` and the context mask ``[B, N*L, T]``."""
@@ -136,14 +150,7 @@ class DFlashObjective(nn.Module):
         self.chunk_size, self.anchor_chunk, self.checkpoint = chunk_size, anchor_chunk, checkpoint
 
     def _anchors(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        if KEEP in batch:
-            return batch[KEEP]
-        doc = _documents(batch)
-        cand = candidate_anchors(batch["loss_mask"], doc, self.block_size)
-        out = sample_anchors(cand, doc, self.anchors if self.training else None)
-        if self.training:
-            batch[KEEP] = out
-        return out
+        return batch_anchors(batch, KEEP, self.block_size, self.anchors, self.training)
 
     def _slot_valid(self, batch: dict[str, Any], anchors: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
         v = slot_targets_valid(batch["loss_mask"], _documents(batch), self.block_size)  # (B, T, L)

@@ -26,9 +26,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as grad_checkpoint
 
 from tiny_speculators.models.dflash.objective import (
+    batch_anchors,
     block_inputs,
-    candidate_anchors,
-    sample_anchors,
     slot_targets_valid,
     slot_weights,
 )
@@ -96,14 +95,7 @@ class DSparkObjective(nn.Module):
         self.chunk_size, self.anchor_chunk, self.checkpoint = chunk_size, anchor_chunk, checkpoint
 
     def _anchors(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        if KEEP in batch:
-            return batch[KEEP]
-        doc = _documents(batch)
-        cand = candidate_anchors(batch["loss_mask"], doc, self.block_size)
-        out = sample_anchors(cand, doc, self.anchors if self.training else None)
-        if self.training:
-            batch[KEEP] = out
-        return out
+        return batch_anchors(batch, KEEP, self.block_size, self.anchors, self.training)
 
     def _valid(self, batch: dict[str, Any], anchors: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
         v = prediction_valid(batch["loss_mask"], _documents(batch), self.predictions)  # (B, T, P)
