@@ -186,3 +186,12 @@ def test_ctrl_c_stops_the_server(bench_venv, exported_draft, tmp_path):
     assert proc.returncode == 130, "".join(lines) + rest
     assert "tiny-speculators benchmark: interrupted" in rest
     assert vllm_processes([port]) == []
+    leftovers = [c for c in Path("/proc").glob("[0-9]*/cmdline") if _reads(c, str(out / "guidellm"))]
+    assert leftovers == [], "GuideLLM (or one of its workers) outlived the interrupted benchmark"
+
+
+def _reads(cmdline: Path, text: str) -> bool:
+    try:
+        return text in cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False

@@ -16,10 +16,13 @@ JSON report gives TTFT and ITL percentiles and the output-token and request rate
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import re
 import shutil
+import signal
 import subprocess
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -171,8 +174,15 @@ def run_guidellm(exe: Path, *, target: str, model: str, tokenizer: str, data: Pa
     with log_path.open("wb") as f:
         f.write(("$ " + " ".join(cmd) + "\n").encode())
         f.flush()
-        # no wall-clock limit: the run is bounded by its request count and each request by ``timeout``
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        # no wall-clock limit: the run is bounded by its request count and each request by ``timeout``.
+        # GuideLLM forks and spawns workers: it runs in its own process group, which is stopped as a whole
+        # when it ends or when this process is interrupted (killing the first pid alone left orphans behind)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+        try:
+            proc.wait()
+        finally:
+            _stop_group(proc)
     if proc.returncode != 0 or not report.is_file():
         reason = _guidellm_error(log_path.read_text(encoding="utf-8", errors="replace"))
         raise UserError(f"GuideLLM failed at concurrency {concurrency} against {target}: "
@@ -185,3 +195,10 @@ def run_guidellm(exe: Path, *, target: str, model: str, tokenizer: str, data: Pa
         log.warning("guidellm: %d of %d requests failed at concurrency %d (report: %s)", result.requests_errored,
                     requests, concurrency, report)
     return result
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of ``proc``'s process group (its forked and spawned workers), then reap ``proc``."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
