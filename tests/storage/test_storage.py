@@ -152,6 +152,16 @@ def test_corrupted_shard_is_detected(tmp_path):
         HiddenStateReader(tmp_path, verify=False)[5]
 
 
+def test_verify_share_checks_only_its_shards(tmp_path):
+    """Ranks split one checksum pass: shares (r, w) are disjoint, cover every shard, and report whole counts."""
+    _write(tmp_path)
+    merge_manifest(tmp_path)
+    _flip_byte(tmp_path / "shard-00001.safetensors")
+    reports = [verify_extraction(tmp_path, share=(r, 2)) for r in range(2)]
+    assert reports[0]["ok"] and reports[0]["samples"] == 6 and reports[0]["shards"] == 3  # shards 0 and 2
+    assert not reports[1]["ok"] and len(reports[1]["problems"]) == 1 and "shard-00001" in reports[1]["problems"][0]
+
+
 def test_wrong_shapes_are_detected(tmp_path):
     _write(tmp_path)
     manifest = merge_manifest(tmp_path)

@@ -3,6 +3,7 @@ kill -9 + resume, SIGTERM checkpointing, offline == online, NaN stop."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -77,6 +78,57 @@ def test_ddp_two_processes_equal_one(tiny_inputs, tmp_path):
     assert ddp["world_size"] == 2
     assert ddp["final_train"]["loss"] == pytest.approx(single["final_train"]["loss"], rel=1e-5)
     assert ddp["tokens_seen"] == single["tokens_seen"]
+
+
+def _two_node_agents(cmd: list[str], port: int) -> list[subprocess.Popen]:
+    """Two torchrun agents, one process each, meeting through c10d rendezvous on 127.0.0.1 as two nodes do."""
+    rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}"]
+    launcher = [sys.executable, "-m", "torch.distributed.run"]
+    return [subprocess.Popen([*launcher, *rdzv, *cmd[len(launcher) + 1:]], env=ENV, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+
+
+@pytest.mark.parametrize("fsdp", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["ddp", "fsdp"])
+def test_two_nodes_equal_one_process(tiny_inputs, tmp_path, fsdp):
+    """`torchrun --nnodes 2` (c10d rendezvous; each node's only process has LOCAL_RANK 0) trains exactly what
+    one process does on the same global batch, reading the offline shards from shared storage."""
+    from tiny_speculators.serving import free_port
+
+    with one_thread():
+        train(**_common(tiny_inputs, tmp_path / "one", max_steps=2, batch_size=2))
+    extra = ("--fsdp",) if fsdp else ()
+    cmd = _cli(tiny_inputs, tmp_path / "nodes", "--max-steps", "2", "--batch-size", "1", *extra, torchrun=1)
+    agents = _two_node_agents(cmd, free_port())
+    try:
+        outputs = [a.communicate(timeout=300) for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    assert [a.returncode for a in agents] == [0, 0], outputs
+    _assert_same(_weights(tmp_path / "one"), _weights(tmp_path / "nodes"))
+    assert json.loads((tmp_path / "nodes" / "summary.json").read_text())["world_size"] == 2
+
+
+def test_ranks_split_the_checksum_pass_and_all_stop_on_a_bad_shard(tiny_inputs, tmp_path):
+    """Each rank hashes only its share of the shards; a corrupted shard stops every rank with the shard's name
+    (no rank is left waiting for the others)."""
+    from tiny_speculators.verifier.extract import extract
+
+    hs = tmp_path / "hs"
+    extract(verifier=str(tiny_inputs.verifier), data=tiny_inputs.prepared, out=hs, dtype="float32", device="cpu",
+            shard_mb=0.05, progress=False)
+    shards = json.loads((hs / "manifest.json").read_text())["shards"]
+    assert len(shards) >= 2
+    bad = hs / shards[-1]["file"]
+    data = bytearray(bad.read_bytes())
+    data[-10] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    cmd = _cli(dataclasses.replace(tiny_inputs, hidden_states=hs), tmp_path / "run", "--max-steps", "1", torchrun=2)
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert done.stderr.count(f"shard {bad} is corrupted") == 2, done.stderr[-3000:]
+    assert not (tmp_path / "run" / "final").exists()
 
 
 @pytest.mark.slow

@@ -93,6 +93,15 @@ def broadcast_object(obj, info: DistInfo):
     return box[0]
 
 
+def gather_objects(obj, info: DistInfo) -> list:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank; ``[obj]`` for one process."""
+    if not info.enabled:
+        return [obj]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def wrap_model(model: nn.Module, info: DistInfo, fsdp: bool) -> nn.Module:
     """DDP (default) or FSDP2 ``fully_shard`` (one group: the draft is a single decoder layer); unchanged for
     one process without FSDP. Frozen parameters (the embedding) are excluded from gradient sync by DDP."""

@@ -60,7 +60,7 @@ class Run:
 
     def save_checkpoint(self, state: TrainState) -> Path:
         model_sd, optim_sd = self.io.full_state(with_optimizer=True)
-        rngs = _gather_objects(C.capture_rng(), self.info)
+        rngs = D.gather_objects(C.capture_rng(), self.info)
         target = C.step_dir(self.opts.out, state.step)
         if self.info.is_main:
             meta = self._meta(state)
@@ -113,16 +113,6 @@ class Run:
                           elapsed=float(meta.get("elapsed", 0.0)))
 
 
-def _gather_objects(obj, info: D.DistInfo) -> list:
-    if not info.enabled:
-        return [obj]
-    import torch.distributed as dist
-
-    out = [None] * info.world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _source_and_head(opts: TrainOptions, family: DraftFamily, info: D.DistInfo):
     """The sample source, the verifier head (norm + lm_head + embeddings) and the aux layer ids of this run."""
     from tiny_speculators.verifier.capture import check_layer_ids
@@ -145,7 +135,6 @@ def _source_and_head(opts: TrainOptions, family: DraftFamily, info: D.DistInfo):
         else:
             aux = check_layer_ids(opts.aux_layer_ids or family.default_aux_layer_ids(n_layers), n_layers)
         return OnlineSource(opts.data, verifier, aux, opts.max_length), head_from_model(verifier), aux
-    from tiny_speculators.train.sources import OfflineSource
     from tiny_speculators.verifier.head import load_verifier_head
 
     head = load_verifier_head(opts.verifier, trust_remote_code=opts.trust_remote_code)
@@ -156,17 +145,35 @@ def _source_and_head(opts: TrainOptions, family: DraftFamily, info: D.DistInfo):
         fixed = family.default_aux_layer_ids(n_layers)
         if opts.aux_layer_ids and list(opts.aux_layer_ids) != fixed:
             raise UserError(f"--aux-layer-ids: a {family.name} draft always reads verifier layer(s) {fixed}")
-        source = OfflineSource(opts.hidden_states)
+        source = _offline_source(opts, info)
         lacking = [i for i in fixed if i not in source.aux_layer_ids and i != n_layers]
         if lacking:
             raise UserError(f"a {family.name} draft reads verifier layer(s) {lacking}, which the extraction "
                             f"{opts.hidden_states} lacks (it has {source.aux_layer_ids})")
         aux = fixed
     else:
-        source = OfflineSource(opts.hidden_states, aux_layer_ids=opts.aux_layer_ids or None)
+        source = _offline_source(opts, info, aux_layer_ids=opts.aux_layer_ids or None)
         aux = source.aux_layer_ids
     _check_manifest(source.manifest, head.config, opts)
     return source, head, aux
+
+
+def _offline_source(opts: TrainOptions, info: D.DistInfo, aux_layer_ids: list[int] | None = None):
+    """The stored samples. One process checks each shard's checksum when it first reads it; the ranks of a
+    distributed run (possibly on several nodes reading shared storage) split one checksum pass up front, each
+    hashing ``shards[rank::world_size]``, so each byte is hashed once per run rather than once per rank."""
+    from tiny_speculators.storage.reader import verify_extraction
+    from tiny_speculators.train.sources import OfflineSource
+
+    if not info.enabled:
+        return OfflineSource(opts.hidden_states, aux_layer_ids=aux_layer_ids)
+    report = verify_extraction(opts.hidden_states, share=(info.rank, info.world_size))
+    problems = [p for rank_problems in D.gather_objects(report["problems"], info) for p in rank_problems]
+    if problems:
+        more = f" (and {len(problems) - 1} more bad shard(s); see `tiny-speculators extract --verify`)" \
+            if len(problems) > 1 else ""
+        raise UserError(problems[0] + more)
+    return OfflineSource(opts.hidden_states, verify=False, aux_layer_ids=aux_layer_ids)
 
 
 def _initial_draft(opts: TrainOptions, family: DraftFamily, head, aux: list[int], d2t, t2d) -> nn.Module:
