@@ -193,11 +193,7 @@ def test_embedded_family_variants_run_end_to_end(name, tmp_path, tiny_llama_dir,
     short = shorten(config, tiny_llama_dir, tmp_path / "run")
     short["regenerate"]["data"] = [str(PROMPTS)]
     algorithm = config["train"]["algorithm"]
-    if "layers" in short.get("extract", {}):  # layer ids of SmolLM2's 30 layers: the family's own for the tiny one
-        from tiny_speculators.models import get_family
-
-        layers = json.loads((tiny_llama_dir / "config.json").read_text())["num_hidden_layers"]
-        short["extract"]["layers"] = get_family(algorithm).default_aux_layer_ids(layers)
+    short.get("extract", {}).pop("layers", None)  # SmolLM2's layer ids; the pipeline derives the tiny one's
     path = tmp_path / name
     path.write_text(yaml.safe_dump(short), encoding="utf-8")
     result = pipeline(path)
@@ -207,6 +203,27 @@ def test_embedded_family_variants_run_end_to_end(name, tmp_path, tiny_llama_dir,
     if exported["vllm_speculative_config"]:
         assert result["serve"].startswith("vllm serve") and json.dumps(exported["vllm_speculative_config"]["method"]) \
             in result["serve"]
+
+
+def test_extract_stores_the_layers_the_train_family_reads(tmp_path, tiny_llama_dir):
+    """Without extract.layers the pipeline asks the train section: its aux_layer_ids, else its family's default for
+    the verifier's depth; extract.layers, when given, wins."""
+    from tiny_speculators.models import FAMILIES
+
+    depth = json.loads((tiny_llama_dir / "config.json").read_text())["num_hidden_layers"]
+    raw = {"run_dir": str(tmp_path / "run"), "verifier": str(tiny_llama_dir), "prepare": {"data": [str(PROMPTS)]},
+           "vocab": {}, "export": {}, "evaluate": {}}
+    for name, family in FAMILIES.items():
+        extract = plan_pipeline({**raw, "train": {"algorithm": name}}).stages["extract"].kwargs
+        if family.fixed_aux_layer_ids:
+            assert extract.get("layers") is None, name  # extract's own default; the last state is stored anyway
+        else:
+            assert extract["layers"] == family.default_aux_layer_ids(depth), name
+    assert len({tuple(f.default_aux_layer_ids(depth)) for f in FAMILIES.values()}) > 1  # not vacuous
+    chosen = plan_pipeline({**raw, "train": {"aux_layer_ids": [1, 3]}}).stages["extract"].kwargs
+    assert chosen["layers"] == [1, 3]
+    given = plan_pipeline({**raw, "train": {"aux_layer_ids": [1, 3]}, "extract": {"layers": [0, 1, 3]}})
+    assert given.stages["extract"].kwargs["layers"] == [0, 1, 3]
 
 
 def test_benchmark_section_is_optional_and_measures_the_export(tmp_path):

@@ -154,6 +154,27 @@ def _resolve_data(values: Any, base: Path, where: str) -> list[Path]:
     return paths
 
 
+def _extract_layers(verifier: str, train: dict[str, Any], where: str) -> list[int] | None:
+    """The verifier layers extract stores when its section names none: what train reads (its ``aux_layer_ids``,
+    else its family's default for this verifier's depth). ``None``: extract's own default is that already, or
+    the family always reads the same fixed states (the last one, which extract stores anyway)."""
+    from tiny_speculators.models import get_family
+    from tiny_speculators.train.stage import train as train_stage
+    from tiny_speculators.verifier.describe import verifier_config
+
+    if train.get("aux_layer_ids"):
+        return [int(i) for i in train["aux_layer_ids"]]
+    family = get_family(train.get("algorithm", inspect.signature(train_stage).parameters["algorithm"].default))
+    if family.fixed_aux_layer_ids:
+        return None
+    cfg = verifier_config(verifier, trust_remote_code=bool(train.get("trust_remote_code", False)))
+    if cfg is None:  # not readable now (an uncached hub id offline): extract's default; train names what it lacks
+        log.warning("%s: extract stores its default layers; give extract.layers if the %s draft needs others",
+                    where, family.name)
+        return None
+    return family.default_aux_layer_ids(int(cfg.num_hidden_layers))
+
+
 def plan_pipeline(raw: dict[str, Any], source: str = "pipeline config") -> PipelinePlan:
     """Work out every stage's arguments and inputs from a pipeline mapping (runs nothing)."""
     config = source
@@ -194,6 +215,10 @@ def plan_pipeline(raw: dict[str, Any], source: str = "pipeline config") -> Pipel
         raise UserError(f"{config}: train.online is true, so there must be no 'extract' section")
     if not online:
         sections.setdefault("extract", {})
+        if "layers" not in sections["extract"]:
+            layers = _extract_layers(verifier, sections["train"], config)
+            if layers is not None:
+                sections["extract"]["layers"] = layers
     has_regen = "regenerate" in sections
     if has_regen and "data" in sections["prepare"]:
         raise UserError(f"{config}: with a 'regenerate' section, prepare reads its output: move 'data' there")
