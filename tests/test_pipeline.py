@@ -121,6 +121,25 @@ def test_pipeline_end_to_end_skip_change_and_range(tiny_config, capsys):
     assert pipeline(tiny_config, until_stage="prepare")["actions"] == {"regenerate": "ran", "prepare": "ran"}
 
 
+def test_one_stage_runs_from_the_pipeline_config(tiny_config):
+    """`train --config PIPELINE.yaml` (what each node runs under torchrun) takes the train section and the pipeline's
+    wiring, a flag overrides it, and the later stages run the same way from their sections."""
+    run = Path(yaml.safe_load(tiny_config.read_text())["run_dir"])
+    pipeline(tiny_config, until_stage="extract")
+    assert main(["train", "--config", str(tiny_config), "--max-steps", "1"]) == 0
+    summary = json.loads((run / "train" / "summary.json").read_text())
+    assert summary["steps"] == 1 and (run / "train" / "final" / "model.safetensors").is_file()
+    assert main(["export", "--config", str(tiny_config)]) == 0
+    assert main(["evaluate", "--config", str(tiny_config)]) == 0
+    evaluated = json.loads((run / "evaluate" / "summary.json").read_text())
+    assert evaluated["num_prompts"] == 1 and evaluated["matches_baseline"] is True
+    assert main(["pipeline", "--config", str(tiny_config), "--until-stage", "vocab"]) == 0  # pipeline reads it whole
+    config = yaml.safe_load(tiny_config.read_text())
+    del config["evaluate"]
+    tiny_config.write_text(yaml.safe_dump(config))
+    assert main(["evaluate", "--config", str(tiny_config)]) == 1  # one line: the pipeline has no evaluate stage
+
+
 def test_cli_and_config_errors(tiny_config, tmp_path):
     assert main(["pipeline", "--config", str(tiny_config), "--until-stage", "prepare"]) == 0
     assert json.loads((tmp_path / "run" / "pipeline.json").read_text())["stages"]["prepare"]["status"] == "done"

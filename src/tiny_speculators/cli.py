@@ -109,6 +109,22 @@ def _stage_of(argv: Sequence[str]) -> str | None:
     return None
 
 
+def _config_values(stage: str, path: Path) -> dict[str, Any]:
+    """A stage's options from ``--config``: a file of that stage's options, or a pipeline config (``run_dir`` and a
+    section per stage), whose section for this stage and whose wiring (inputs and output in ``run_dir``) are taken,
+    so that one file drives ``pipeline`` and a stage run on its own, e.g. ``train`` under torchrun on each node."""
+    raw = load_yaml(path)
+    if stage == "pipeline" or "run_dir" not in raw:
+        return raw
+    from tiny_speculators.pipeline import plan_pipeline
+
+    plan = plan_pipeline(raw, str(path)).stages.get(stage)
+    if plan is None:
+        raise UserError(f"{path} is a pipeline config without a {stage} stage")
+    # sections stay mappings, so that a flag can override one option of a section
+    return {**plan.kwargs, **{k: v for k, v in plan.options.items() if isinstance(v, dict)}}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     stage = _stage_of(argv)
@@ -127,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config_path = args.pop("config", None)
     try:
         func = load_stage(stage)
-        values = load_yaml(config_path) if config_path else {}
+        values = _config_values(stage, config_path) if config_path else {}
         for key, value in _group_sections(args).items():
             if isinstance(value, dict) and isinstance(values.get(key), dict):
                 values[key] = {**values[key], **value}  # flags override single options of a YAML section
