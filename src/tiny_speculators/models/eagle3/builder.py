@@ -15,7 +15,7 @@ import torch
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.eagle3.model import Eagle3Draft
-from tiny_speculators.models.importing import check_vocab_maps
+from tiny_speculators.models.importing import copy_verifier_weights
 from tiny_speculators.verifier.describe import text_config
 
 log = logging.getLogger(__name__)
@@ -102,22 +102,9 @@ def build_draft(
     Randomly initialized weights depend on the caller's torch seed.
     """
     draft = Eagle3Draft(**kwargs)
-    target_ids = check_vocab_maps(d2t, t2d, draft.draft_vocab_size, draft.embed_tokens.num_embeddings)
-    with torch.no_grad():
-        draft.d2t.copy_(d2t.long())
-        draft.t2d.copy_(t2d.bool())
-        if embed_weight is not None:
-            if embed_weight.shape != draft.embed_tokens.weight.shape:
-                raise UserError(f"verifier embeddings have shape {tuple(embed_weight.shape)}, the draft needs "
-                                f"{tuple(draft.embed_tokens.weight.shape)}")
-            draft.embed_tokens.weight.copy_(embed_weight)
-        else:
-            log.warning("no verifier embeddings given: the draft's embed_tokens stay random")
-        if lm_head_weight is not None:
-            if lm_head_weight.shape != (draft.embed_tokens.num_embeddings, draft.hidden_size):
-                raise UserError(f"verifier lm_head has shape {tuple(lm_head_weight.shape)}, expected "
-                                f"({draft.embed_tokens.num_embeddings}, {draft.hidden_size})")
-            draft.lm_head.weight.copy_(lm_head_weight[target_ids.to(lm_head_weight.device)])
+    if embed_weight is None:
+        log.warning("no verifier embeddings given: the draft's embed_tokens stay random")
+    copy_verifier_weights(draft, d2t, t2d, embed_weight, lm_head_weight)
     return draft
 
 
