@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from torch import nn
 
@@ -20,6 +20,16 @@ from tiny_speculators.models.eagle3.builder import draft_kwargs_from_verifier
 from tiny_speculators.models.family import BuildInputs, DraftFamily, mask_token_of
 from tiny_speculators.models.importing import copy_verifier_weights
 from tiny_speculators.models.losses import LossSpec
+
+
+def check_block_options(options: Any) -> None:
+    """The checks every block drafter's options make: ``block_size``, ``num_layers``, ``anchors`` and ``gamma``."""
+    if options.block_size < 2:
+        raise ValueError(f"block_size must be at least 2, got {options.block_size}")
+    if options.num_layers < 1 or options.anchors < 1:
+        raise ValueError(f"num_layers and anchors must be at least 1, got {options.num_layers}, {options.anchors}")
+    if options.gamma is not None and options.gamma <= 0:
+        raise ValueError(f"gamma must be positive, got {options.gamma}")
 
 
 @dataclass(frozen=True)
@@ -49,12 +59,7 @@ class DFlashOptions:
     causal: bool = False
 
     def __post_init__(self) -> None:
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be at least 2, got {self.block_size}")
-        if self.num_layers < 1 or self.anchors < 1:
-            raise ValueError(f"num_layers and anchors must be at least 1, got {self.num_layers}, {self.anchors}")
-        if self.gamma is not None and self.gamma <= 0:
-            raise ValueError(f"gamma must be positive, got {self.gamma}")
+        check_block_options(self)
         if not 0 <= self.dpace_alpha <= 1:
             raise ValueError(f"dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
 
