@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from vllm_helpers import EVAL_PROMPTS, render, run_vllm, train_draft
+from vllm_helpers import our_acceptance, train_draft, vllm_spec_and_plain
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -40,46 +39,19 @@ def exported(tmp_path_factory, smollm2_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def ours(exported, smollm2_dir, smollm2_tokenizer) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from tiny_speculators.evaluate.decoding import autoregressive_generate, speculative_generate
-    from tiny_speculators.evaluate.target import TargetRunner
     from tiny_speculators.export import import_draft
     from tiny_speculators.models import get_family
 
     draft, config = import_draft(exported)
     assert config["model_type"] == "dflash" and config["aux_layer_ids"] == AUX
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval().requires_grad_(False)
-    target = TargetRunner(model, config["aux_layer_ids"])
-    proposer = get_family("dflash").proposer(draft.eval())
-    prompts = [render(smollm2_tokenizer, p) for p in EVAL_PROMPTS]
-    accepted, drafts, per_pos, spec_tokens, hf_tokens, forwards = 0, 0, [0] * K, [], [], 0
-    for prompt in prompts:
-        result = speculative_generate(target, proposer, prompt, k=K, max_new_tokens=NEW_TOKENS)
-        spec_tokens.append(result.tokens)
-        drafts += len(result.accepted)
-        accepted += sum(result.accepted)
-        forwards += result.draft_forwards
-        for n in result.accepted:
-            for i in range(n):
-                per_pos[i] += 1
-        hf_tokens.append(autoregressive_generate(target, prompt, max_new_tokens=NEW_TOKENS).tokens)
-    target.close()
-    return {"prompts": prompts, "drafts": drafts, "accepted": accepted, "per_position": per_pos,
-            "draft_forwards": forwards, "spec_tokens": spec_tokens, "hf_tokens": hf_tokens}
+    return our_acceptance(get_family("dflash").proposer(draft.eval()), config["aux_layer_ids"], smollm2_dir,
+                          smollm2_tokenizer, K, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def vllm_runs(vllm_python, exported, ours, smollm2_dir, tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("vllm-dflash-runs")
-    prompts = root / "prompts.json"
-    prompts.write_text(json.dumps(ours["prompts"]))
-    run_vllm(vllm_python, "config", str(exported), str(root / "config.json"))
-    run_vllm(vllm_python, "generate", str(exported), str(root / "spec.json"), "--prompts", str(prompts),
-             "--max-tokens", str(NEW_TOKENS))
-    run_vllm(vllm_python, "generate", str(smollm2_dir), str(root / "plain.json"), "--prompts", str(prompts),
-             "--max-tokens", str(NEW_TOKENS), "--no-spec")
-    return {name: json.loads((root / f"{name}.json").read_text()) for name in ("config", "spec", "plain")}
+    return vllm_spec_and_plain(vllm_python, exported, smollm2_dir, ours["prompts"],
+                               tmp_path_factory.mktemp("vllm-dflash-runs"), NEW_TOKENS)
 
 
 def test_vllm_reads_dflash(vllm_runs, exported):

@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from vllm_helpers import EVAL_PROMPTS, render, run_vllm, train_draft
+from vllm_helpers import our_acceptance, run_vllm, train_draft
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -36,32 +35,13 @@ def exported(tmp_path_factory, tiny_mimo_dir) -> Path:
 
 
 def _ours(draft_folder: Path, verifier_dir: Path, tokenizer) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from tiny_speculators.evaluate.decoding import autoregressive_generate, speculative_generate
-    from tiny_speculators.evaluate.target import TargetRunner
     from tiny_speculators.export import import_draft
     from tiny_speculators.models import get_family
 
     draft, config = import_draft(draft_folder)
     assert config["model_type"] == "mtp" and config["source"]["format"] == "verifier-mtp"
-    model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval().requires_grad_(False)
-    target = TargetRunner(model, config["aux_layer_ids"])
-    proposer = get_family("mtp").proposer(draft.eval())
-    prompts = [render(tokenizer, p) for p in EVAL_PROMPTS]
-    accepted, drafts, per_pos, spec_tokens, hf_tokens = 0, 0, [0] * K, [], []
-    for prompt in prompts:
-        result = speculative_generate(target, proposer, prompt, k=K, max_new_tokens=NEW_TOKENS)
-        spec_tokens.append(result.tokens)
-        drafts += len(result.accepted)
-        accepted += sum(result.accepted)
-        for n in result.accepted:
-            for i in range(n):
-                per_pos[i] += 1
-        hf_tokens.append(autoregressive_generate(target, prompt, max_new_tokens=NEW_TOKENS).tokens)
-    target.close()
-    return {"prompts": prompts, "drafts": drafts, "accepted": accepted, "per_position": per_pos,
-            "spec_tokens": spec_tokens, "hf_tokens": hf_tokens}
+    return our_acceptance(get_family("mtp").proposer(draft.eval()), config["aux_layer_ids"], verifier_dir, tokenizer,
+                          K, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
