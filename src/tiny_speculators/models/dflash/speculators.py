@@ -27,12 +27,11 @@ from typing import Any
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.builder import decoder_fields
+from tiny_speculators.models.eagle3.builder import decoder_fields, layer_shape_of
 from tiny_speculators.models.eagle3.speculators import (
     SPECULATORS_SCHEMA_VERSION,
     check_proposal,
     layer_config,
-    layer_shape_of,
     normalize_state,
     proposal_config,
     speculative_tokens_of,

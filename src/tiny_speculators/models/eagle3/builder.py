@@ -132,3 +132,23 @@ def decoder_fields(kwargs: Mapping[str, Any]) -> dict[str, Any]:
         "rope_theta": float(rope.get("rope_theta", 10000.0)),
         "rope_scaling": None if rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
     }
+
+
+def layer_shape_of(layer: Mapping[str, Any]) -> dict[str, Any]:
+    """The draft keyword arguments an HF decoder config gives (a ``transformer_layer_config``, SGLang's flat
+    config): vocabulary, attention and MLP shape, norm eps, RoPE, activation; what :func:`decoder_fields` wrote."""
+    hidden = int(layer["hidden_size"])
+    heads = int(layer["num_attention_heads"])
+    return dict(
+        vocab_size=int(layer["vocab_size"]),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
+        head_dim=int(layer.get("head_dim") or hidden // heads),
+        intermediate_size=int(layer["intermediate_size"]),
+        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+        rope_parameters=rope_parameters_of(layer),
+        max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
+        attention_bias=bool(layer.get("attention_bias", False)),
+        hidden_act=layer.get("hidden_act", "silu"),
+    )

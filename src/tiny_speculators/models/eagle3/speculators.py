@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.builder import decoder_fields, rope_parameters_of
+from tiny_speculators.models.eagle3.builder import decoder_fields, layer_shape_of
 from tiny_speculators.models.family import DraftFormat, ExportInfo
 from tiny_speculators.models.files import cast_state, dtype_name, read_json, require
 
@@ -147,26 +147,6 @@ def layer_config(cfg: Mapping[str, Any], required: list[str], where: str) -> Map
     require(layer, ["vocab_size", "hidden_size", "intermediate_size", "num_attention_heads"],
             f"{where} transformer_layer_config")
     return layer
-
-
-def layer_shape_of(layer: Mapping[str, Any]) -> dict[str, Any]:
-    """The draft keyword arguments a ``transformer_layer_config`` gives: vocabulary, attention and MLP shape, norm
-    eps, RoPE, activation."""
-    hidden = int(layer["hidden_size"])
-    heads = int(layer["num_attention_heads"])
-    return dict(
-        vocab_size=int(layer["vocab_size"]),
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
-        head_dim=int(layer.get("head_dim") or hidden // heads),
-        intermediate_size=int(layer["intermediate_size"]),
-        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-        rope_parameters=rope_parameters_of(layer),
-        max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
-        attention_bias=bool(layer.get("attention_bias", False)),
-        hidden_act=layer.get("hidden_act", "silu"),
-    )
 
 
 def read_config(directory: Path) -> dict[str, Any]:

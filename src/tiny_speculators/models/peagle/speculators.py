@@ -23,12 +23,12 @@ from typing import Any
 import torch
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.models.eagle3.builder import layer_shape_of
 from tiny_speculators.models.eagle3.speculators import (
     SPECULATORS_SCHEMA_VERSION,
     check_proposal,
     layer_config,
     layer_rows,
-    layer_shape_of,
     normalize_state,
     proposal_config,
     speculative_tokens_of,
