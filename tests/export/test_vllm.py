@@ -12,13 +12,20 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from vllm_helpers import EVAL_PROMPTS, our_acceptance, render, run_vllm, train_draft, vllm_spec_and_plain
+from vllm_helpers import (
+    EVAL_PROMPTS,
+    counters,
+    our_acceptance,
+    render,
+    run_vllm,
+    train_draft,
+    vllm_spec_and_plain,
+    write_report,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -74,12 +81,9 @@ def test_vllm_parses_the_exported_config(vllm_runs, exported):
 
 def test_vllm_speculative_decoding_matches_our_evaluator(vllm_runs, ours, tmp_path_factory):
     spec, plain = vllm_runs["spec"], vllm_runs["plain"]
-    counters = spec["spec_decode"]
-    drafts = counters["vllm:spec_decode_num_drafts"]
-    accepted = counters["vllm:spec_decode_num_accepted_tokens"]
-    per_pos = counters["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    drafts, accepted, per_pos = counters(spec)
     assert "eagle3" in spec["speculative_config"] and drafts > 0
-    assert counters["vllm:spec_decode_num_draft_tokens"] == K * drafts
+    assert spec["spec_decode"]["vllm:spec_decode_num_draft_tokens"] == K * drafts
     vllm_al = 1 + accepted / drafts
     report = {
         "vllm": {"drafts": drafts, "accepted": accepted, "per_position": per_pos, "acceptance_length": vllm_al,
@@ -92,9 +96,7 @@ def test_vllm_speculative_decoding_matches_our_evaluator(vllm_runs, ours, tmp_pa
         "vllm_plain_equals_hf": [a == b for a, b in zip(plain["tokens"], ours["hf_tokens"], strict=True)],
         "our_spec_equals_hf": [a == b for a, b in zip(ours["spec_tokens"], ours["hf_tokens"], strict=True)],
     }
-    out = Path(os.environ.get("TINY_SPECULATORS_VLLM_REPORT", tmp_path_factory.mktemp("report") / "vllm.json"))
-    out.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2), file=sys.stderr)
+    write_report(report, "TINY_SPECULATORS_VLLM_REPORT", tmp_path_factory.mktemp("report") / "vllm.json")
     # Greedy speculative decoding is lossless in vLLM too, and both engines agree with HF greedy (fp32).
     assert spec["tokens"] == plain["tokens"]
     assert all(report["our_spec_equals_hf"])

@@ -8,13 +8,10 @@ greedy output equals plain vLLM and HF greedy, and its acceptance counters equal
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
-from vllm_helpers import our_acceptance, train_draft, vllm_spec_and_plain
+from vllm_helpers import acceptance_report, counters, our_acceptance, train_draft, vllm_spec_and_plain, write_report
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -67,24 +64,10 @@ def test_vllm_reads_dflash(vllm_runs, exported):
 
 def test_vllm_dflash_counters_equal_our_evaluator(vllm_runs, ours, tmp_path_factory):
     spec, plain = vllm_runs["spec"], vllm_runs["plain"]
-    counters = spec["spec_decode"]
-    drafts = counters["vllm:spec_decode_num_drafts"]
-    accepted = counters["vllm:spec_decode_num_accepted_tokens"]
-    per_pos = counters["vllm:spec_decode_num_accepted_tokens_per_pos"]
-    report = {
-        "vllm": {"drafts": drafts, "accepted": accepted, "per_position": per_pos,
-                 "acceptance_length": 1 + accepted / drafts, "generate_seconds": spec["generate_seconds"]},
-        "ours": {"drafts": ours["drafts"], "accepted": ours["accepted"], "per_position": ours["per_position"],
-                 "acceptance_length": 1 + ours["accepted"] / ours["drafts"],
-                 "draft_forwards_per_step": ours["draft_forwards"] / ours["drafts"]},
-        "vllm_spec_equals_vllm_plain": spec["tokens"] == plain["tokens"],
-        "our_spec_equals_hf": [a == b for a, b in zip(ours["spec_tokens"], ours["hf_tokens"], strict=True)],
-        "architectures": spec["architectures"],
-    }
-    out = Path(os.environ.get("TINY_SPECULATORS_VLLM_REPORT_DFLASH",
-                              tmp_path_factory.mktemp("report") / "vllm-dflash.json"))
-    out.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2), file=sys.stderr)
+    drafts, accepted, per_pos = counters(spec)
+    report = acceptance_report(spec, plain, ours)
+    report["architectures"] = spec["architectures"]
+    write_report(report, "TINY_SPECULATORS_VLLM_REPORT_DFLASH", tmp_path_factory.mktemp("report") / "vllm-dflash.json")
     assert "dflash" in spec["speculative_config"] and spec["architectures"]["draft"] == ["DFlashDraftModel"]
     assert spec["tokens"] == plain["tokens"] and all(report["our_spec_equals_hf"])
     assert ours["draft_forwards"] == ours["drafts"]  # one draft forward per verification step

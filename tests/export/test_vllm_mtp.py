@@ -9,12 +9,10 @@ chain of k steps on the one layer) on the same prompts, and fine-tuning raises t
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
-from vllm_helpers import our_acceptance, run_vllm, train_draft
+from vllm_helpers import counters, our_acceptance, run_vllm, train_draft, write_report
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -62,17 +60,11 @@ def vllm_runs(vllm_python, exported, ours, tiny_mimo_dir, tmp_path_factory) -> d
     return {name: json.loads((root / f"{name}.json").read_text()) for name in ("untrained", "trained", "plain")}
 
 
-def _counters(run: dict) -> tuple[int, int, list[int]]:
-    c = run["spec_decode"]
-    return (c["vllm:spec_decode_num_drafts"], c["vllm:spec_decode_num_accepted_tokens"],
-            list(c["vllm:spec_decode_num_accepted_tokens_per_pos"]))
-
-
 def test_vllm_mtp_counters_equal_our_evaluator_before_and_after_finetuning(vllm_runs, ours, tmp_path_factory):
     report = {}
     for name in ("untrained", "trained"):
         run, mine = vllm_runs[name], ours[name]
-        drafts, accepted, per_pos = _counters(run)
+        drafts, accepted, per_pos = counters(run)
         report[name] = {
             "vllm": {"drafts": drafts, "accepted": accepted, "per_position": per_pos,
                      "acceptance_length": 1 + accepted / drafts, "architectures": run["architectures"]},
@@ -81,13 +73,11 @@ def test_vllm_mtp_counters_equal_our_evaluator_before_and_after_finetuning(vllm_
             "vllm_spec_equals_vllm_plain": run["tokens"] == vllm_runs["plain"]["tokens"],
             "our_spec_equals_hf": [a == b for a, b in zip(mine["spec_tokens"], mine["hf_tokens"], strict=True)],
         }
-    out = Path(os.environ.get("TINY_SPECULATORS_VLLM_REPORT_MTP", tmp_path_factory.mktemp("report") / "vllm-mtp.json"))
-    out.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2), file=sys.stderr)
+    write_report(report, "TINY_SPECULATORS_VLLM_REPORT_MTP", tmp_path_factory.mktemp("report") / "vllm-mtp.json")
     for name in ("untrained", "trained"):
         entry, run, mine = report[name], vllm_runs[name], ours[name]
         assert run["architectures"]["draft"] == ["MiMoMTPModel"], name
         assert entry["vllm_spec_equals_vllm_plain"] and all(entry["our_spec_equals_hf"]), name
-        assert _counters(run) == (mine["drafts"], mine["accepted"], mine["per_position"]), report
+        assert counters(run) == (mine["drafts"], mine["accepted"], mine["per_position"]), report
     before, after = ours["untrained"], ours["trained"]
     assert after["accepted"] >= 2 * before["accepted"] + 20, "fine-tuning did not raise the acceptance"

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,34 @@ def vllm_spec_and_plain(python: Path, exported: Path, verifier_dir: Path, prompt
     run_vllm(python, "generate", str(verifier_dir), str(root / "plain.json"), "--prompts", str(prompts_file),
              "--max-tokens", str(new_tokens), "--no-spec")
     return {name: json.loads((root / f"{name}.json").read_text()) for name in ("config", "spec", "plain")}
+
+
+def counters(run: dict) -> tuple[int, int, list[int]]:
+    """vLLM's drafts, accepted tokens and accepted tokens per position in a ``generate`` run."""
+    c = run["spec_decode"]
+    return (c["vllm:spec_decode_num_drafts"], c["vllm:spec_decode_num_accepted_tokens"],
+            list(c["vllm:spec_decode_num_accepted_tokens_per_pos"]))
+
+
+def acceptance_report(spec: dict, plain: dict, ours: dict) -> dict:
+    """vLLM's and our evaluator's acceptance side by side, and whether each engine's greedy output is lossless."""
+    drafts, accepted, per_pos = counters(spec)
+    return {
+        "vllm": {"drafts": drafts, "accepted": accepted, "per_position": per_pos,
+                 "acceptance_length": 1 + accepted / drafts, "generate_seconds": spec["generate_seconds"]},
+        "ours": {"drafts": ours["drafts"], "accepted": ours["accepted"], "per_position": ours["per_position"],
+                 "acceptance_length": 1 + ours["accepted"] / ours["drafts"],
+                 "draft_forwards_per_step": ours["draft_forwards"] / ours["drafts"]},
+        "vllm_spec_equals_vllm_plain": spec["tokens"] == plain["tokens"],
+        "our_spec_equals_hf": [a == b for a, b in zip(ours["spec_tokens"], ours["hf_tokens"], strict=True)],
+    }
+
+
+def write_report(report: dict, env: str, default: Path) -> None:
+    """The report as JSON into ``$env`` (default ``default``), and on stderr."""
+    out = Path(os.environ.get(env, default))
+    out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2), file=sys.stderr)
 
 
 @torch.no_grad()
