@@ -12,11 +12,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_train_invariants import (
-    _common,
-    ddp_equals_one,
-    resume_equals_uninterrupted,
-)
+from test_train_invariants import _common
+from train_checks import ddp_equals_one, resume_equals_uninterrupted
 
 from conftest import build_inputs, make_chats
 from tiny_speculators.errors import UserError

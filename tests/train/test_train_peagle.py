@@ -6,14 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_train_invariants import (
-    _assert_same,
-    _common,
-    _weights,
-    ddp_equals_one,
-    offline_equals_online,
-    resume_equals_uninterrupted,
-)
+from test_train_invariants import _assert_same, _common, _weights
+from train_checks import ddp_equals_one, offline_equals_online, resume_equals_uninterrupted
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.train.stage import train
