@@ -12,13 +12,20 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from vllm_helpers import EVAL_PROMPTS, render, run_vllm, train_draft
+from vllm_helpers import (
+    EVAL_PROMPTS,
+    counters,
+    our_acceptance,
+    render,
+    run_vllm,
+    train_draft,
+    vllm_spec_and_plain,
+    write_report,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -41,45 +48,18 @@ def exported(tmp_path_factory, smollm2_dir) -> Path:
 @pytest.fixture(scope="module")
 def ours(exported, smollm2_dir, smollm2_tokenizer) -> dict:
     """Our evaluator on the exported draft (imported back from the export): acceptance + greedy tokens."""
-    from transformers import AutoModelForCausalLM
-
-    from tiny_speculators.evaluate.decoding import autoregressive_generate, speculative_generate
-    from tiny_speculators.evaluate.target import TargetRunner
     from tiny_speculators.export import import_draft
     from tiny_speculators.models.eagle3.proposer import Eagle3Proposer
 
     draft, config = import_draft(exported)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval().requires_grad_(False)
-    target = TargetRunner(model, config["aux_layer_ids"])
-    proposer = Eagle3Proposer(draft.eval())
-    prompts = [render(smollm2_tokenizer, p) for p in EVAL_PROMPTS]
-    accepted, drafts, per_pos, spec_tokens, hf_tokens = 0, 0, [0] * K, [], []
-    for prompt in prompts:
-        result = speculative_generate(target, proposer, prompt, k=K, max_new_tokens=NEW_TOKENS)
-        spec_tokens.append(result.tokens)
-        drafts += len(result.accepted)
-        accepted += sum(result.accepted)
-        for n in result.accepted:
-            for i in range(n):
-                per_pos[i] += 1
-        hf_tokens.append(autoregressive_generate(target, prompt, max_new_tokens=NEW_TOKENS).tokens)
-    target.close()
-    return {"prompts": prompts, "drafts": drafts, "accepted": accepted, "per_position": per_pos,
-            "acceptance_length": 1 + accepted / drafts, "spec_tokens": spec_tokens, "hf_tokens": hf_tokens}
+    return our_acceptance(Eagle3Proposer(draft.eval()), config["aux_layer_ids"], smollm2_dir, smollm2_tokenizer, K,
+                          NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def vllm_runs(vllm_python, exported, ours, smollm2_dir, tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("vllm-runs")
-    prompts = root / "prompts.json"
-    prompts.write_text(json.dumps(ours["prompts"]))
-    run_vllm(vllm_python, "config", str(exported), str(root / "config.json"))
-    run_vllm(vllm_python, "generate", str(exported), str(root / "spec.json"), "--prompts", str(prompts),
-             "--max-tokens", str(NEW_TOKENS))
-    run_vllm(vllm_python, "generate", str(smollm2_dir), str(root / "plain.json"), "--prompts", str(prompts),
-             "--max-tokens", str(NEW_TOKENS), "--no-spec")
-    runs = {name: json.loads((root / f"{name}.json").read_text()) for name in ("config", "spec", "plain")}
-    return runs
+    return vllm_spec_and_plain(vllm_python, exported, smollm2_dir, ours["prompts"],
+                               tmp_path_factory.mktemp("vllm-runs"), NEW_TOKENS)
 
 
 def test_vllm_parses_the_exported_config(vllm_runs, exported):
@@ -101,12 +81,9 @@ def test_vllm_parses_the_exported_config(vllm_runs, exported):
 
 def test_vllm_speculative_decoding_matches_our_evaluator(vllm_runs, ours, tmp_path_factory):
     spec, plain = vllm_runs["spec"], vllm_runs["plain"]
-    counters = spec["spec_decode"]
-    drafts = counters["vllm:spec_decode_num_drafts"]
-    accepted = counters["vllm:spec_decode_num_accepted_tokens"]
-    per_pos = counters["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    drafts, accepted, per_pos = counters(spec)
     assert "eagle3" in spec["speculative_config"] and drafts > 0
-    assert counters["vllm:spec_decode_num_draft_tokens"] == K * drafts
+    assert spec["spec_decode"]["vllm:spec_decode_num_draft_tokens"] == K * drafts
     vllm_al = 1 + accepted / drafts
     report = {
         "vllm": {"drafts": drafts, "accepted": accepted, "per_position": per_pos, "acceptance_length": vllm_al,
@@ -119,9 +96,7 @@ def test_vllm_speculative_decoding_matches_our_evaluator(vllm_runs, ours, tmp_pa
         "vllm_plain_equals_hf": [a == b for a, b in zip(plain["tokens"], ours["hf_tokens"], strict=True)],
         "our_spec_equals_hf": [a == b for a, b in zip(ours["spec_tokens"], ours["hf_tokens"], strict=True)],
     }
-    out = Path(os.environ.get("TINY_SPECULATORS_VLLM_REPORT", tmp_path_factory.mktemp("report") / "vllm.json"))
-    out.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2), file=sys.stderr)
+    write_report(report, "TINY_SPECULATORS_VLLM_REPORT", tmp_path_factory.mktemp("report") / "vllm.json")
     # Greedy speculative decoding is lossless in vLLM too, and both engines agree with HF greedy (fp32).
     assert spec["tokens"] == plain["tokens"]
     assert all(report["our_spec_equals_hf"])

@@ -9,13 +9,10 @@ chain of k steps on the one layer) on the same prompts, and fine-tuning raises t
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
-import torch
-from vllm_helpers import EVAL_PROMPTS, render, run_vllm, train_draft
+from vllm_helpers import counters, our_acceptance, run_vllm, train_draft, write_report
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -36,32 +33,13 @@ def exported(tmp_path_factory, tiny_mimo_dir) -> Path:
 
 
 def _ours(draft_folder: Path, verifier_dir: Path, tokenizer) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from tiny_speculators.evaluate.decoding import autoregressive_generate, speculative_generate
-    from tiny_speculators.evaluate.target import TargetRunner
     from tiny_speculators.export import import_draft
     from tiny_speculators.models import get_family
 
     draft, config = import_draft(draft_folder)
     assert config["model_type"] == "mtp" and config["source"]["format"] == "verifier-mtp"
-    model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval().requires_grad_(False)
-    target = TargetRunner(model, config["aux_layer_ids"])
-    proposer = get_family("mtp").proposer(draft.eval())
-    prompts = [render(tokenizer, p) for p in EVAL_PROMPTS]
-    accepted, drafts, per_pos, spec_tokens, hf_tokens = 0, 0, [0] * K, [], []
-    for prompt in prompts:
-        result = speculative_generate(target, proposer, prompt, k=K, max_new_tokens=NEW_TOKENS)
-        spec_tokens.append(result.tokens)
-        drafts += len(result.accepted)
-        accepted += sum(result.accepted)
-        for n in result.accepted:
-            for i in range(n):
-                per_pos[i] += 1
-        hf_tokens.append(autoregressive_generate(target, prompt, max_new_tokens=NEW_TOKENS).tokens)
-    target.close()
-    return {"prompts": prompts, "drafts": drafts, "accepted": accepted, "per_position": per_pos,
-            "spec_tokens": spec_tokens, "hf_tokens": hf_tokens}
+    return our_acceptance(get_family("mtp").proposer(draft.eval()), config["aux_layer_ids"], verifier_dir, tokenizer,
+                          K, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -82,17 +60,11 @@ def vllm_runs(vllm_python, exported, ours, tiny_mimo_dir, tmp_path_factory) -> d
     return {name: json.loads((root / f"{name}.json").read_text()) for name in ("untrained", "trained", "plain")}
 
 
-def _counters(run: dict) -> tuple[int, int, list[int]]:
-    c = run["spec_decode"]
-    return (c["vllm:spec_decode_num_drafts"], c["vllm:spec_decode_num_accepted_tokens"],
-            list(c["vllm:spec_decode_num_accepted_tokens_per_pos"]))
-
-
 def test_vllm_mtp_counters_equal_our_evaluator_before_and_after_finetuning(vllm_runs, ours, tmp_path_factory):
     report = {}
     for name in ("untrained", "trained"):
         run, mine = vllm_runs[name], ours[name]
-        drafts, accepted, per_pos = _counters(run)
+        drafts, accepted, per_pos = counters(run)
         report[name] = {
             "vllm": {"drafts": drafts, "accepted": accepted, "per_position": per_pos,
                      "acceptance_length": 1 + accepted / drafts, "architectures": run["architectures"]},
@@ -101,13 +73,11 @@ def test_vllm_mtp_counters_equal_our_evaluator_before_and_after_finetuning(vllm_
             "vllm_spec_equals_vllm_plain": run["tokens"] == vllm_runs["plain"]["tokens"],
             "our_spec_equals_hf": [a == b for a, b in zip(mine["spec_tokens"], mine["hf_tokens"], strict=True)],
         }
-    out = Path(os.environ.get("TINY_SPECULATORS_VLLM_REPORT_MTP", tmp_path_factory.mktemp("report") / "vllm-mtp.json"))
-    out.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2), file=sys.stderr)
+    write_report(report, "TINY_SPECULATORS_VLLM_REPORT_MTP", tmp_path_factory.mktemp("report") / "vllm-mtp.json")
     for name in ("untrained", "trained"):
         entry, run, mine = report[name], vllm_runs[name], ours[name]
         assert run["architectures"]["draft"] == ["MiMoMTPModel"], name
         assert entry["vllm_spec_equals_vllm_plain"] and all(entry["our_spec_equals_hf"]), name
-        assert _counters(run) == (mine["drafts"], mine["accepted"], mine["per_position"]), report
+        assert counters(run) == (mine["drafts"], mine["accepted"], mine["per_position"]), report
     before, after = ours["untrained"], ours["trained"]
     assert after["accepted"] >= 2 * before["accepted"] + 20, "fine-tuning did not raise the acceptance"

@@ -7,14 +7,10 @@ evaluator's P-EAGLE proposer (one draft forward per step) on the same prompts.
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
-import torch
-from vllm_helpers import EVAL_PROMPTS, render, run_vllm, train_draft
+from vllm_helpers import acceptance_report, counters, our_acceptance, train_draft, vllm_spec_and_plain, write_report
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -35,46 +31,19 @@ def exported(tmp_path_factory, smollm2_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def ours(exported, smollm2_dir, smollm2_tokenizer) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from tiny_speculators.evaluate.decoding import autoregressive_generate, speculative_generate
-    from tiny_speculators.evaluate.target import TargetRunner
     from tiny_speculators.export import import_draft
     from tiny_speculators.models import get_family
 
     draft, config = import_draft(exported)
     assert config["model_type"] == "peagle"
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval().requires_grad_(False)
-    target = TargetRunner(model, config["aux_layer_ids"])
-    proposer = get_family("peagle").proposer(draft.eval())
-    prompts = [render(smollm2_tokenizer, p) for p in EVAL_PROMPTS]
-    accepted, drafts, per_pos, spec_tokens, hf_tokens, forwards = 0, 0, [0] * K, [], [], 0
-    for prompt in prompts:
-        result = speculative_generate(target, proposer, prompt, k=K, max_new_tokens=NEW_TOKENS)
-        spec_tokens.append(result.tokens)
-        drafts += len(result.accepted)
-        accepted += sum(result.accepted)
-        forwards += result.draft_forwards
-        for n in result.accepted:
-            for i in range(n):
-                per_pos[i] += 1
-        hf_tokens.append(autoregressive_generate(target, prompt, max_new_tokens=NEW_TOKENS).tokens)
-    target.close()
-    return {"prompts": prompts, "drafts": drafts, "accepted": accepted, "per_position": per_pos,
-            "draft_forwards": forwards, "spec_tokens": spec_tokens, "hf_tokens": hf_tokens}
+    return our_acceptance(get_family("peagle").proposer(draft.eval()), config["aux_layer_ids"], smollm2_dir,
+                          smollm2_tokenizer, K, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def vllm_runs(vllm_python, exported, ours, smollm2_dir, tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("vllm-peagle-runs")
-    prompts = root / "prompts.json"
-    prompts.write_text(json.dumps(ours["prompts"]))
-    run_vllm(vllm_python, "config", str(exported), str(root / "config.json"))
-    run_vllm(vllm_python, "generate", str(exported), str(root / "spec.json"), "--prompts", str(prompts),
-             "--max-tokens", str(NEW_TOKENS))
-    run_vllm(vllm_python, "generate", str(smollm2_dir), str(root / "plain.json"), "--prompts", str(prompts),
-             "--max-tokens", str(NEW_TOKENS), "--no-spec")
-    return {name: json.loads((root / f"{name}.json").read_text()) for name in ("config", "spec", "plain")}
+    return vllm_spec_and_plain(vllm_python, exported, smollm2_dir, ours["prompts"],
+                               tmp_path_factory.mktemp("vllm-peagle-runs"), NEW_TOKENS)
 
 
 def test_vllm_reads_peagle_as_parallel_drafting(vllm_runs, exported):
@@ -89,23 +58,9 @@ def test_vllm_reads_peagle_as_parallel_drafting(vllm_runs, exported):
 
 def test_vllm_peagle_counters_equal_our_evaluator(vllm_runs, ours, tmp_path_factory):
     spec, plain = vllm_runs["spec"], vllm_runs["plain"]
-    counters = spec["spec_decode"]
-    drafts = counters["vllm:spec_decode_num_drafts"]
-    accepted = counters["vllm:spec_decode_num_accepted_tokens"]
-    per_pos = counters["vllm:spec_decode_num_accepted_tokens_per_pos"]
-    report = {
-        "vllm": {"drafts": drafts, "accepted": accepted, "per_position": per_pos,
-                 "acceptance_length": 1 + accepted / drafts, "generate_seconds": spec["generate_seconds"]},
-        "ours": {"drafts": ours["drafts"], "accepted": ours["accepted"], "per_position": ours["per_position"],
-                 "acceptance_length": 1 + ours["accepted"] / ours["drafts"],
-                 "draft_forwards_per_step": ours["draft_forwards"] / ours["drafts"]},
-        "vllm_spec_equals_vllm_plain": spec["tokens"] == plain["tokens"],
-        "our_spec_equals_hf": [a == b for a, b in zip(ours["spec_tokens"], ours["hf_tokens"], strict=True)],
-    }
-    out = Path(os.environ.get("TINY_SPECULATORS_VLLM_REPORT_PEAGLE",
-                              tmp_path_factory.mktemp("report") / "vllm-peagle.json"))
-    out.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2), file=sys.stderr)
+    drafts, accepted, per_pos = counters(spec)
+    report = acceptance_report(spec, plain, ours)
+    write_report(report, "TINY_SPECULATORS_VLLM_REPORT_PEAGLE", tmp_path_factory.mktemp("report") / "vllm-peagle.json")
     assert spec["tokens"] == plain["tokens"] and all(report["our_spec_equals_hf"])
     # one draft forward per verification step, plus the prompt's (merged into the first proposal's forward)
     assert ours["draft_forwards"] == ours["drafts"]

@@ -8,9 +8,11 @@ around 2 on unseen ``EVAL_PROMPTS`` (k=3), enough for the per-position rates to 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,6 +80,76 @@ def render(tokenizer, prompt: str) -> list[int]:
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                          tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def our_acceptance(proposer, aux_layer_ids: list[int], verifier_dir: Path, tokenizer, k: int,
+                   new_tokens: int) -> dict:
+    """Our evaluator with ``proposer`` on ``EVAL_PROMPTS`` (greedy, HF verifier in fp32): acceptance counters, draft
+    forwards, and the speculative and plain greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny_speculators.evaluate.decoding import autoregressive_generate, speculative_generate
+    from tiny_speculators.evaluate.target import TargetRunner
+
+    model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval().requires_grad_(False)
+    target = TargetRunner(model, aux_layer_ids)
+    prompts = [render(tokenizer, p) for p in EVAL_PROMPTS]
+    accepted, drafts, per_pos, spec_tokens, hf_tokens, forwards = 0, 0, [0] * k, [], [], 0
+    for prompt in prompts:
+        result = speculative_generate(target, proposer, prompt, k=k, max_new_tokens=new_tokens)
+        spec_tokens.append(result.tokens)
+        drafts += len(result.accepted)
+        accepted += sum(result.accepted)
+        forwards += result.draft_forwards
+        for n in result.accepted:
+            for i in range(n):
+                per_pos[i] += 1
+        hf_tokens.append(autoregressive_generate(target, prompt, max_new_tokens=new_tokens).tokens)
+    target.close()
+    return {"prompts": prompts, "drafts": drafts, "accepted": accepted, "per_position": per_pos,
+            "acceptance_length": 1 + accepted / drafts, "draft_forwards": forwards, "spec_tokens": spec_tokens,
+            "hf_tokens": hf_tokens}
+
+
+def vllm_spec_and_plain(python: Path, exported: Path, verifier_dir: Path, prompts: list[list[int]], root: Path,
+                        new_tokens: int) -> dict:
+    """vLLM's reading of the exported config, and its greedy generations with the draft and without it."""
+    prompts_file = root / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    run_vllm(python, "config", str(exported), str(root / "config.json"))
+    run_vllm(python, "generate", str(exported), str(root / "spec.json"), "--prompts", str(prompts_file),
+             "--max-tokens", str(new_tokens))
+    run_vllm(python, "generate", str(verifier_dir), str(root / "plain.json"), "--prompts", str(prompts_file),
+             "--max-tokens", str(new_tokens), "--no-spec")
+    return {name: json.loads((root / f"{name}.json").read_text()) for name in ("config", "spec", "plain")}
+
+
+def counters(run: dict) -> tuple[int, int, list[int]]:
+    """vLLM's drafts, accepted tokens and accepted tokens per position in a ``generate`` run."""
+    c = run["spec_decode"]
+    return (c["vllm:spec_decode_num_drafts"], c["vllm:spec_decode_num_accepted_tokens"],
+            list(c["vllm:spec_decode_num_accepted_tokens_per_pos"]))
+
+
+def acceptance_report(spec: dict, plain: dict, ours: dict) -> dict:
+    """vLLM's and our evaluator's acceptance side by side, and whether each engine's greedy output is lossless."""
+    drafts, accepted, per_pos = counters(spec)
+    return {
+        "vllm": {"drafts": drafts, "accepted": accepted, "per_position": per_pos,
+                 "acceptance_length": 1 + accepted / drafts, "generate_seconds": spec["generate_seconds"]},
+        "ours": {"drafts": ours["drafts"], "accepted": ours["accepted"], "per_position": ours["per_position"],
+                 "acceptance_length": 1 + ours["accepted"] / ours["drafts"],
+                 "draft_forwards_per_step": ours["draft_forwards"] / ours["drafts"]},
+        "vllm_spec_equals_vllm_plain": spec["tokens"] == plain["tokens"],
+        "our_spec_equals_hf": [a == b for a, b in zip(ours["spec_tokens"], ours["hf_tokens"], strict=True)],
+    }
+
+
+def write_report(report: dict, env: str, default: Path) -> None:
+    """The report as JSON into ``$env`` (default ``default``), and on stderr."""
+    out = Path(os.environ.get(env, default))
+    out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2), file=sys.stderr)
 
 
 @torch.no_grad()

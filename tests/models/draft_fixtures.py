@@ -24,6 +24,21 @@ def tiny_kwargs(**overrides):
     return kwargs
 
 
+def ref_rms(x, w, eps=1e-6):
+    """RMSNorm for the float64 reference forwards."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def ref_rope(x, pos, theta=10000.0):
+    """Neox (rotate-half) RoPE of ``x [T, heads, D]`` at positions ``pos [T]``, float64, for the reference forwards."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = pos[:, None].double() * inv  # (T, D/2)
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
 def tiny_maps():
     """A non-trivial vocab map: every other target id up to 2*DRAFT_VOCAB, minus a few, sorted."""
     target_ids = torch.tensor(sorted({*range(0, VOCAB, 2), 1, 3, 5, 7})[:DRAFT_VOCAB])

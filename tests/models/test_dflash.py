@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from draft_fixtures import DRAFT_VOCAB, VOCAB, fixed_init, tiny_kwargs
+from draft_fixtures import DRAFT_VOCAB, VOCAB, fixed_init, ref_rms, ref_rope, tiny_kwargs
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.dflash.family import default_aux_layer_ids
@@ -30,19 +30,6 @@ def tiny_dflash(num_layers: int = 2, block_size: int = 4, causal: bool = False, 
                                   mask_token_id=MASK, causal=causal))
 
 
-def _rms(x, w, eps=1e-6):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def _rope(x, pos, theta=10000.0):  # x [T, heads, D], neox rotate-half
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    ang = pos[:, None].double() * inv  # (T, D/2)
-    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
-    x1, x2 = x.chunk(2, -1)
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
 def reference_forward(draft: DFlashDraft, aux, ctx_pos, block_ids, block_pos):
     """:func:`reference_hidden` through the draft's ``lm_head``: logits ``(n, Vd)``, float64."""
     return reference_hidden(draft, aux, ctx_pos, block_ids, block_pos) @ draft.state_dict()["lm_head.weight"].double().T
@@ -58,7 +45,7 @@ def reference_hidden(draft: DFlashDraft, aux, ctx_pos, block_ids, block_pos):
     kw = draft.kwargs
     nh, nkv, hd = kw["num_attention_heads"], kw["num_key_value_heads"], kw["head_dim"]
     t, n = aux.shape[0], block_ids.shape[0]
-    c = _rms(aux.double() @ sd["fc.weight"].T, sd["hidden_norm.weight"])  # (T, H)
+    c = ref_rms(aux.double() @ sd["fc.weight"].T, sd["hidden_norm.weight"])  # (T, H)
     x = sd["embed_tokens.weight"][block_ids]  # (n, H)
     for i in range(kw["num_layers"]):
         p = f"layers.{i}."
@@ -66,11 +53,11 @@ def reference_hidden(draft: DFlashDraft, aux, ctx_pos, block_ids, block_pos):
         def proj(name, v, heads, p=p):
             return (v @ sd[f"{p}self_attn.{name}.weight"].T).view(v.shape[0], heads, hd)
 
-        k_ctx = _rope(_rms(proj("k_proj", c, nkv), sd[f"{p}self_attn.k_norm.weight"]), ctx_pos)
+        k_ctx = ref_rope(ref_rms(proj("k_proj", c, nkv), sd[f"{p}self_attn.k_norm.weight"]), ctx_pos)
         v_ctx = proj("v_proj", c, nkv)
-        xn = _rms(x, sd[f"{p}input_layernorm.weight"])
-        q = _rope(_rms(proj("q_proj", xn, nh), sd[f"{p}self_attn.q_norm.weight"]), block_pos)
-        k_blk = _rope(_rms(proj("k_proj", xn, nkv), sd[f"{p}self_attn.k_norm.weight"]), block_pos)
+        xn = ref_rms(x, sd[f"{p}input_layernorm.weight"])
+        q = ref_rope(ref_rms(proj("q_proj", xn, nh), sd[f"{p}self_attn.q_norm.weight"]), block_pos)
+        k_blk = ref_rope(ref_rms(proj("k_proj", xn, nkv), sd[f"{p}self_attn.k_norm.weight"]), block_pos)
         v_blk = proj("v_proj", xn, nkv)
         out = torch.zeros(n, nh, hd, dtype=torch.float64)
         for head in range(nh):
@@ -82,10 +69,10 @@ def reference_hidden(draft: DFlashDraft, aux, ctx_pos, block_ids, block_pos):
                 scores = torch.stack([q[s, head] @ key for key in keys]) / math.sqrt(hd)
                 out[s, head] = torch.softmax(scores, 0) @ torch.stack(vals)
         x = x + out.reshape(n, nh * hd) @ sd[f"{p}self_attn.o_proj.weight"].T
-        h = _rms(x, sd[f"{p}post_attention_layernorm.weight"])
+        h = ref_rms(x, sd[f"{p}post_attention_layernorm.weight"])
         gate, up = h @ sd[f"{p}mlp.gate_proj.weight"].T, h @ sd[f"{p}mlp.up_proj.weight"].T
         x = x + (torch.nn.functional.silu(gate) * up) @ sd[f"{p}mlp.down_proj.weight"].T
-    return _rms(x, sd["norm.weight"])  # (n, H): the final-norm output the heads read
+    return ref_rms(x, sd["norm.weight"])  # (n, H): the final-norm output the heads read
 
 
 def _ours(draft, aux, ctx_pos, block_ids, block_pos):

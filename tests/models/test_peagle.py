@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from draft_fixtures import DRAFT_VOCAB, VOCAB, fixed_init, tiny_kwargs
+from draft_fixtures import DRAFT_VOCAB, VOCAB, fixed_init, ref_rms, ref_rope, tiny_kwargs
 
 from tiny_speculators.models.eagle3.model import KVCache
 from tiny_speculators.models.peagle.model import PEagleDraft
@@ -20,19 +20,6 @@ def tiny_peagle(num_layers: int = 3, norm_before_residual: bool = False, **kw) -
     kwargs = tiny_kwargs(**kw)
     return fixed_init(PEagleDraft(**kwargs, num_layers=num_layers, mask_token_id=MASK, num_depths=4,
                                   norm_before_residual=norm_before_residual))
-
-
-def _rms(x, w, eps=1e-6):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def _rope(x, pos, theta=10000.0):  # x [T, heads, D], neox rotate-half
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    ang = pos[:, None].double() * inv  # (T, D/2)
-    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
-    x1, x2 = x.chunk(2, -1)
-    return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
 def reference_forward(draft: PEagleDraft, ids, hidden, pos):
@@ -49,7 +36,7 @@ def reference_forward(draft: PEagleDraft, ids, hidden, pos):
         q = (x @ sd[f"layers.{i}.self_attn.q_proj.weight"].T).view(t, nh, hd)
         k = (x @ sd[f"layers.{i}.self_attn.k_proj.weight"].T).view(t, nkv, hd)
         v = (x @ sd[f"layers.{i}.self_attn.v_proj.weight"].T).view(t, nkv, hd)
-        q, k = _rope(q, pos), _rope(k, pos)
+        q, k = ref_rope(q, pos), ref_rope(k, pos)
         out = torch.zeros(t, nh, hd, dtype=torch.float64)
         for head in range(nh):
             kv = head // (nh // nkv)
@@ -63,14 +50,14 @@ def reference_forward(draft: PEagleDraft, ids, hidden, pos):
         u = x @ sd[f"layers.{i}.mlp.up_proj.weight"].T
         return (torch.nn.functional.silu(g) * u) @ sd[f"layers.{i}.mlp.down_proj.weight"].T
 
-    hn = _rms(h, sd["layers.0.hidden_norm.weight"])
+    hn = ref_rms(h, sd["layers.0.hidden_norm.weight"])
     res = hn if kw["norm_before_residual"] else h
-    x = res + attn(0, torch.cat([_rms(e, sd["layers.0.input_layernorm.weight"]), hn], -1))
-    x = x + mlp(0, _rms(x, sd["layers.0.post_attention_layernorm.weight"]))
+    x = res + attn(0, torch.cat([ref_rms(e, sd["layers.0.input_layernorm.weight"]), hn], -1))
+    x = x + mlp(0, ref_rms(x, sd["layers.0.post_attention_layernorm.weight"]))
     for i in range(1, kw["num_layers"]):
-        x = x + attn(i, _rms(x, sd[f"layers.{i}.input_layernorm.weight"]))
-        x = x + mlp(i, _rms(x, sd[f"layers.{i}.post_attention_layernorm.weight"]))
-    return _rms(x, sd["norm.weight"]) @ sd["lm_head.weight"].T  # (T, Vd)
+        x = x + attn(i, ref_rms(x, sd[f"layers.{i}.input_layernorm.weight"]))
+        x = x + mlp(i, ref_rms(x, sd[f"layers.{i}.post_attention_layernorm.weight"]))
+    return ref_rms(x, sd["norm.weight"]) @ sd["lm_head.weight"].T  # (T, Vd)
 
 
 def _slots(draft, aux, ids, a, d):

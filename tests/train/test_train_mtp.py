@@ -10,10 +10,10 @@ or its export.
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
-from test_train_invariants import ENV, _assert_same, _cli, _common, _sigterm_when, _weights, one_thread
+from test_train_invariants import _common
+from train_checks import ddp_equals_one, resume_equals_uninterrupted
 
 from conftest import build_inputs, make_chats
 from tiny_speculators.errors import UserError
@@ -44,26 +44,11 @@ def test_mtp_offline_and_online_agree_and_learn(mimo_inputs, tmp_path):
 
 
 def test_mtp_ddp_two_processes_equal_one(mimo_inputs, tmp_path):
-    with one_thread():
-        single = train(**_common(mimo_inputs, tmp_path / "one", max_steps=2, batch_size=2, algorithm="mtp", mtp=MTP))
-    subprocess.run(_cli(mimo_inputs, tmp_path / "ddp", "--max-steps", "2", "--batch-size", "1", "--algorithm", "mtp",
-                        "--mtp-steps", "3", torchrun=2), check=True, env=ENV, capture_output=True, timeout=300)
-    _assert_same(_weights(tmp_path / "one"), _weights(tmp_path / "ddp"), atol=1e-5)
-    ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
-    assert ddp["algorithm"] == "mtp" and ddp["world_size"] == 2
-    assert ddp["final_train"]["loss"] == pytest.approx(single["final_train"]["loss"], rel=1e-5)
+    ddp_equals_one(mimo_inputs, tmp_path, "mtp", MTP)
 
 
 def test_mtp_resume_equals_uninterrupted(mimo_inputs, tmp_path):
-    args = _common(mimo_inputs, tmp_path / "run", max_steps=4, batch_size=2, save_every=2, algorithm="mtp", mtp=MTP)
-    watcher = _sigterm_when(tmp_path / "run" / "step_000002")
-    with pytest.raises(KeyboardInterrupt):
-        train(**args)
-    watcher.join()
-    train(**{**args, "resume": True})
-    train(**_common(mimo_inputs, tmp_path / "straight", max_steps=4, batch_size=2, save_every=2, algorithm="mtp",
-                    mtp=MTP))
-    _assert_same(_weights(tmp_path / "run"), _weights(tmp_path / "straight"))
+    resume_equals_uninterrupted(mimo_inputs, tmp_path, "mtp", MTP)
 
 
 def test_mtp_refuses_topk_extraction_and_exports_stitched(mimo_inputs, tmp_path):

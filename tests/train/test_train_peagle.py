@@ -4,10 +4,10 @@ on: its RNG is checkpointed), offline == online, --init-from its speculators exp
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
-from test_train_invariants import ENV, _assert_same, _cli, _common, _sigterm_when, _weights, one_thread
+from test_train_invariants import _assert_same, _common, _weights
+from train_checks import ddp_equals_one, offline_equals_online, resume_equals_uninterrupted
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.train.stage import train
@@ -16,40 +16,17 @@ SMALL = {"depths": 3, "num_layers": 2}
 
 
 def test_peagle_ddp_two_processes_equal_one(tiny_inputs, tmp_path):
-    # ratio 1: every anchor at every depth, so both runs see the same elements (sampling is per process)
-    with one_thread():
-        single = train(**_common(tiny_inputs, tmp_path / "one", max_steps=2, batch_size=2, algorithm="peagle",
-                                 peagle={**SMALL, "ratio": 1.0, "ratio_min": 1.0}))
-    subprocess.run(_cli(tiny_inputs, tmp_path / "ddp", "--max-steps", "2", "--batch-size", "1", "--algorithm", "peagle",
-                        "--peagle-depths", "3", "--peagle-num-layers", "2", "--peagle-ratio", "1",
-                        "--peagle-ratio-min", "1", torchrun=2), check=True, env=ENV, capture_output=True, timeout=300)
-    # two layers and lr 1e-2 (AdamW) amplify fp32 summation-order noise: measured max difference 3e-6
-    _assert_same(_weights(tmp_path / "one"), _weights(tmp_path / "ddp"), atol=1e-5)
-    ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
-    assert ddp["algorithm"] == "peagle" and ddp["world_size"] == 2
-    assert ddp["final_train"]["loss"] == pytest.approx(single["final_train"]["loss"], rel=1e-5)
+    # ratio 1: every anchor at every depth, so both runs see the same elements (sampling is per process); two layers
+    # and lr 1e-2 (AdamW) amplify fp32 summation-order noise: measured max difference 3e-6 (atol 1e-5)
+    ddp_equals_one(tiny_inputs, tmp_path, "peagle", {**SMALL, "ratio": 1.0, "ratio_min": 1.0})
 
 
 def test_peagle_resume_equals_uninterrupted(tiny_inputs, tmp_path):
-    args = _common(tiny_inputs, tmp_path / "run", max_steps=4, batch_size=2, save_every=2, algorithm="peagle",
-                   peagle=SMALL)
-    watcher = _sigterm_when(tmp_path / "run" / "step_000002")
-    with pytest.raises(KeyboardInterrupt):
-        train(**args)
-    watcher.join()
-    assert not (tmp_path / "run" / "final").exists()
-    train(**{**args, "resume": True})
-    train(**_common(tiny_inputs, tmp_path / "straight", max_steps=4, batch_size=2, save_every=2, algorithm="peagle",
-                    peagle=SMALL))
-    _assert_same(_weights(tmp_path / "run"), _weights(tmp_path / "straight"))
+    resume_equals_uninterrupted(tiny_inputs, tmp_path, "peagle", SMALL)
 
 
 def test_peagle_offline_and_online_agree(tiny_inputs, tmp_path):
-    off = train(**_common(tiny_inputs, tmp_path / "off", max_steps=1, batch_size=2, algorithm="peagle", peagle=SMALL))
-    on = train(**_common(tiny_inputs, tmp_path / "on", max_steps=1, batch_size=2, hidden_states=None,
-                         data=tiny_inputs.prepared, online=True, algorithm="peagle", peagle=SMALL))
-    assert on["final_train"]["positions"] == off["final_train"]["positions"] > 0
-    assert on["final_train"]["loss"] == pytest.approx(off["final_train"]["loss"], rel=1e-4)
+    offline_equals_online(tiny_inputs, tmp_path, "peagle", SMALL)
 
 
 def test_peagle_init_from_its_export_and_family_mismatch(tiny_inputs, tmp_path):

@@ -35,7 +35,7 @@ from torch import nn
 from tiny_speculators.errors import UserError
 
 __all__ = ["BuildInputs", "ConfidenceProposer", "DraftFamily", "DraftFormat", "DraftTree", "ExportInfo", "Objective",
-           "Proposer", "StepOutput", "TreeParams", "parse_options"]
+           "Proposer", "StepOutput", "TreeParams", "mask_token_of", "parse_options"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,19 @@ class BuildInputs:
     embed_weight: torch.Tensor | None = None  # (V, H) the verifier's token embeddings
     lm_head_weight: torch.Tensor | None = None  # (V, H) the verifier's lm_head, when the draft starts from it
     verifier_path: str | None = None  # the verifier's name or folder, for families that read its files
+
+
+def mask_token_of(requested: int | None, verifier_config: Any) -> int:
+    """The token id a draft feeds at its mask slots: ``requested``, else the verifier's pad token, else its eos
+    token (the first of a list), else 0."""
+    if requested is not None:
+        return requested
+    for key in ("pad_token_id", "eos_token_id"):
+        value = getattr(verifier_config, key, None)
+        value = value[0] if isinstance(value, list) and value else value
+        if isinstance(value, int):
+            return value
+    return 0
 
 
 @dataclass

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 OURS = "tiny-speculators"
 
-__all__ = ["OURS", "check_vocab_maps", "detect_format", "import_draft", "read_weights", "resolve_checkpoint"]
+__all__ = ["OURS", "check_vocab_maps", "copy_verifier_weights", "detect_format", "import_draft", "read_weights",
+           "resolve_checkpoint"]
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -100,6 +101,26 @@ def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int
     if not torch.equal(target_ids, torch.nonzero(t2d.cpu().bool()).flatten()):
         raise UserError("d2t and t2d disagree: draft id i must map to the i-th selected target id")
     return target_ids
+
+
+def copy_verifier_weights(draft: nn.Module, d2t: torch.Tensor, t2d: torch.Tensor,
+                          embed_weight: torch.Tensor | None = None, lm_head_weight: torch.Tensor | None = None) -> None:
+    """Into a fresh draft: the vocabulary maps (checked), the verifier's embeddings when given, and the rows of the
+    verifier's lm_head (its full ``[V, H]`` matrix, when given) that the draft vocabulary selects."""
+    target_ids = check_vocab_maps(d2t, t2d, draft.draft_vocab_size, draft.embed_tokens.num_embeddings)
+    if embed_weight is not None and embed_weight.shape != draft.embed_tokens.weight.shape:
+        raise UserError(f"verifier embeddings have shape {tuple(embed_weight.shape)}, the draft needs "
+                        f"{tuple(draft.embed_tokens.weight.shape)}")
+    if lm_head_weight is not None and lm_head_weight.shape != (draft.embed_tokens.num_embeddings, draft.hidden_size):
+        raise UserError(f"verifier lm_head has shape {tuple(lm_head_weight.shape)}, expected "
+                        f"({draft.embed_tokens.num_embeddings}, {draft.hidden_size})")
+    with torch.no_grad():
+        draft.d2t.copy_(d2t.long())
+        draft.t2d.copy_(t2d.bool())
+        if embed_weight is not None:
+            draft.embed_tokens.weight.copy_(embed_weight)
+        if lm_head_weight is not None:
+            draft.lm_head.weight.copy_(lm_head_weight[target_ids.to(lm_head_weight.device)])
 
 
 def _embeddings(verifier: str | None, directory: Path) -> torch.Tensor:

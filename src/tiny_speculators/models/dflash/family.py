@@ -7,9 +7,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-import torch
 from torch import nn
 
 from tiny_speculators.errors import UserError
@@ -18,9 +17,19 @@ from tiny_speculators.models.dflash.model import DFlashDraft
 from tiny_speculators.models.dflash.objective import DFlashObjective, default_gamma
 from tiny_speculators.models.dflash.proposer import DFlashProposer
 from tiny_speculators.models.eagle3.builder import draft_kwargs_from_verifier
-from tiny_speculators.models.family import BuildInputs, DraftFamily
-from tiny_speculators.models.importing import check_vocab_maps
+from tiny_speculators.models.family import BuildInputs, DraftFamily, mask_token_of
+from tiny_speculators.models.importing import copy_verifier_weights
 from tiny_speculators.models.losses import LossSpec
+
+
+def check_block_options(options: Any) -> None:
+    """The checks every block drafter's options make: ``block_size``, ``num_layers``, ``anchors`` and ``gamma``."""
+    if options.block_size < 2:
+        raise ValueError(f"block_size must be at least 2, got {options.block_size}")
+    if options.num_layers < 1 or options.anchors < 1:
+        raise ValueError(f"num_layers and anchors must be at least 1, got {options.num_layers}, {options.anchors}")
+    if options.gamma is not None and options.gamma <= 0:
+        raise ValueError(f"gamma must be positive, got {options.gamma}")
 
 
 @dataclass(frozen=True)
@@ -50,12 +59,7 @@ class DFlashOptions:
     causal: bool = False
 
     def __post_init__(self) -> None:
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be at least 2, got {self.block_size}")
-        if self.num_layers < 1 or self.anchors < 1:
-            raise ValueError(f"num_layers and anchors must be at least 1, got {self.num_layers}, {self.anchors}")
-        if self.gamma is not None and self.gamma <= 0:
-            raise ValueError(f"gamma must be positive, got {self.gamma}")
+        check_block_options(self)
         if not 0 <= self.dpace_alpha <= 1:
             raise ValueError(f"dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
 
@@ -69,17 +73,6 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return [round(1 + i * (num_layers - 4) / 4) + 1 for i in range(5)]
 
 
-def _mask_token(options: DFlashOptions, verifier_config) -> int:
-    if options.mask_token_id is not None:
-        return options.mask_token_id
-    for key in ("pad_token_id", "eos_token_id"):
-        value = getattr(verifier_config, key, None)
-        value = value[0] if isinstance(value, list) and value else value
-        if isinstance(value, int):
-            return value
-    return 0
-
-
 def build(inputs: BuildInputs, options: DFlashOptions) -> DFlashDraft:
     cfg = inputs.verifier_config
     base = draft_kwargs_from_verifier(cfg, int(inputs.d2t.shape[0]), num_aux=len(inputs.aux_layer_ids),
@@ -88,18 +81,10 @@ def build(inputs: BuildInputs, options: DFlashOptions) -> DFlashDraft:
             "head_dim", "intermediate_size", "draft_vocab_size", "num_aux", "rms_norm_eps", "rope_parameters",
             "max_position_embeddings", "attention_bias", "hidden_act", "aux_layer_ids")
     draft = DFlashDraft(**{k: base[k] for k in keep}, num_layers=options.num_layers, block_size=options.block_size,
-                        mask_token_id=_mask_token(options, cfg), causal=options.causal)
-    target_ids = check_vocab_maps(inputs.d2t, inputs.t2d, draft.draft_vocab_size, draft.embed_tokens.num_embeddings)
+                        mask_token_id=mask_token_of(options.mask_token_id, cfg), causal=options.causal)
     if inputs.embed_weight is None or inputs.lm_head_weight is None:
         raise UserError("DFlash uses the verifier's embeddings and lm_head (frozen): train with --init-lm-head")
-    if inputs.embed_weight.shape != draft.embed_tokens.weight.shape:
-        raise UserError(f"verifier embeddings have shape {tuple(inputs.embed_weight.shape)}, the draft needs "
-                        f"{tuple(draft.embed_tokens.weight.shape)}")
-    with torch.no_grad():
-        draft.d2t.copy_(inputs.d2t.long())
-        draft.t2d.copy_(inputs.t2d.bool())
-        draft.embed_tokens.weight.copy_(inputs.embed_weight)
-        draft.lm_head.weight.copy_(inputs.lm_head_weight[target_ids.to(inputs.lm_head_weight.device)])
+    copy_verifier_weights(draft, inputs.d2t, inputs.t2d, inputs.embed_weight, inputs.lm_head_weight)
     return draft
 
 

@@ -36,7 +36,19 @@ import torch
 from torch import nn
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.model import MLP, RMSNorm, Rotary, apply_rope
+from tiny_speculators.models.layers import (
+    MLP,
+    RMSNorm,
+    add_output_layers,
+    apply_rope,
+    check_aux_layer_ids,
+    check_heads,
+    check_mask_token,
+    init_weights,
+    layer_kwargs,
+    rope_or_default,
+    rotary_of,
+)
 
 __all__ = ["DFlashDraft", "block_attention"]
 
@@ -169,19 +181,14 @@ class DFlashDraft(nn.Module):
         aux_layer_ids: list[int] | None = None,
     ) -> None:
         super().__init__()
-        if aux_layer_ids is not None and len(aux_layer_ids) != num_aux:
-            raise UserError(f"{len(aux_layer_ids)} aux layer ids {list(aux_layer_ids)} for a draft that fuses "
-                            f"{num_aux} verifier layers")
+        check_aux_layer_ids(aux_layer_ids, num_aux)
         if hidden_act != "silu":
             raise UserError(f"the DFlash draft supports hidden_act 'silu' only, got {hidden_act!r}")
         if num_layers < 1 or block_size < 2:
             raise UserError(f"num_layers must be >= 1 and block_size >= 2 (got {num_layers}, {block_size})")
-        if num_attention_heads % num_key_value_heads:
-            raise UserError(f"num_attention_heads {num_attention_heads} is not a multiple of "
-                            f"num_key_value_heads {num_key_value_heads}")
-        if not 0 <= mask_token_id < vocab_size:
-            raise UserError(f"mask_token_id {mask_token_id} is not a token id of the verifier (0..{vocab_size - 1})")
-        rope_parameters = dict(rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
+        check_heads(num_attention_heads, num_key_value_heads)
+        check_mask_token(mask_token_id, vocab_size)
+        rope_parameters = rope_or_default(rope_parameters)
         target_hidden_size = target_hidden_size or hidden_size
         self.kwargs = dict(  # exactly what save_draft writes and load_draft rebuilds from
             vocab_size=vocab_size, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
@@ -199,32 +206,16 @@ class DFlashDraft(nn.Module):
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
         self.fc = nn.Linear(num_aux * target_hidden_size, hidden_size, bias=False)
         self.hidden_norm = RMSNorm(hidden_size, rms_norm_eps)
-        self.layers = nn.ModuleList([DFlashLayer(
-            hidden_size=hidden_size, intermediate_size=intermediate_size, num_attention_heads=num_attention_heads,
-            num_key_value_heads=num_key_value_heads, head_dim=head_dim, rms_norm_eps=rms_norm_eps,
-            attention_bias=attention_bias, causal=causal) for _ in range(num_layers)])
-        self.norm = RMSNorm(hidden_size, rms_norm_eps)
-        self.lm_head = nn.Linear(hidden_size, draft_vocab_size, bias=False)
-        self.rotary = Rotary(head_dim, rope_parameters, max_position_embeddings)
-        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
-        t2d = torch.zeros(vocab_size, dtype=torch.bool)
-        t2d[:draft_vocab_size] = True
-        self.register_buffer("t2d", t2d)
+        self.layers = nn.ModuleList([DFlashLayer(**layer_kwargs(self.kwargs), causal=causal)
+                                     for _ in range(num_layers)])
+        add_output_layers(self)  # norm, lm_head, rotary, d2t, t2d
         self.reset_parameters()
         self._freeze()
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
         """Normal(0, std) for linear and embedding weights, zero biases, unit norms."""
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                m.weight.normal_(0.0, std)
-                if m.bias is not None:
-                    m.bias.zero_()
-            elif isinstance(m, nn.Embedding):
-                m.weight.normal_(0.0, std)
-            elif isinstance(m, RMSNorm):
-                m.weight.fill_(1.0)
+        init_weights(self, std)
 
     def _freeze(self) -> None:
         self.embed_tokens.weight.requires_grad_(bool(self.kwargs["train_embeddings"]))
@@ -232,8 +223,7 @@ class DFlashDraft(nn.Module):
 
     def after_load(self, device: str | torch.device) -> None:
         """After weights were assigned into a meta-device build: rebuild RoPE buffers, re-freeze shared weights."""
-        self.rotary = Rotary(self.kwargs["head_dim"], self.kwargs["rope_parameters"],
-                             self.kwargs["max_position_embeddings"]).to(device)
+        self.rotary = rotary_of(self.kwargs).to(device)
         self._freeze()
 
     def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:

@@ -41,10 +41,12 @@ from tiny_speculators.models.losses import (
 KEEP = "_dflash_anchors"  # batch key: (anchors [B, N], valid [B, N]) set by loss_counts
 METRIC_KEYS = ("loss_sum", "wloss_sum", "count", "correct", "cond_correct", "cond_count")
 
-__all__ = ["DFlashObjective", "batch_anchors", "block_inputs", "candidate_anchors", "sample_anchors", "slot_weights"]
+__all__ = ["DFlashObjective", "batch_anchors", "block_hidden", "block_inputs", "candidate_anchors", "documents",
+           "sample_anchors", "slot_weights", "verifier_targets"]
 
 
-def _documents(batch: Mapping[str, Any]) -> torch.Tensor:
+def documents(batch: Mapping[str, Any]) -> torch.Tensor:
+    """``[B, T]`` document ids of a batch (zeros when it holds one document per row)."""
     ids = batch["input_ids"]
     doc = batch.get("document_ids")
     return doc if doc is not None else torch.zeros_like(ids)
@@ -96,7 +98,7 @@ def batch_anchors(batch: dict[str, Any], key: str, block_size: int, per_document
     kept in ``batch[key]`` (``loss_counts`` samples them, ``forward`` reuses them); in eval every candidate."""
     if key in batch:
         return batch[key]
-    doc = _documents(batch)
+    doc = documents(batch)
     cand = candidate_anchors(batch["loss_mask"], doc, block_size)
     out = sample_anchors(cand, doc, per_document if training else None)
     if training:
@@ -117,6 +119,42 @@ def block_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, doc: torch
     ctx = (keys[None, None, :] < anchors[:, :, None]) & (doc[:, None, :] == doc.gather(1, anchors)[:, :, None])
     ctx = ctx[:, :, None, :].expand(b, n, block_size, t)  # (B, N, L, T)
     return ids.reshape(b, n * block_size), pos.reshape(b, n * block_size), ctx.reshape(b, n * block_size, t)
+
+
+def block_hidden(draft: DFlashDraft, batch: Mapping[str, Any], anchors: torch.Tensor, anchor_chunk: int,
+                 keep: slice = slice(None)) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Pre-norm outputs ``[B, N, L', H]`` of the slots ``keep`` (all ``L`` by default) of every block of ``anchors
+    [B, N]``, ``anchor_chunk`` anchors per forward (bounded attention memory); and the injected context."""
+    ids = batch["input_ids"]
+    b, t = ids.shape
+    doc = documents(batch)
+    pos = batch.get("position_ids")
+    if pos is None:
+        pos = positions_from_documents(doc) if batch.get("document_ids") is not None else \
+            torch.arange(t, device=ids.device).expand(b, t)
+    size = draft.block_size
+    context = draft.context(batch["aux_hidden_states"], pos)
+    hidden = []
+    for s in range(0, anchors.shape[1], anchor_chunk):
+        a = anchors[:, s:s + anchor_chunk]
+        q_ids, q_pos, ctx_mask = block_inputs(ids, pos, doc, a, size, draft.mask_token_id)
+        h = draft(q_ids, q_pos, context, ctx_mask, block_size=size)  # (B, n*L, H)
+        hidden.append(h.view(b, a.shape[1], size, -1)[:, :, keep])
+    return torch.cat(hidden, dim=1), context  # (B, N, L', H)
+
+
+def verifier_targets(batch: Mapping[str, Any], head: nn.Module, vocab_size: int, rows: torch.Tensor | None = None):
+    """The verifier's distributions at the flattened positions ``rows`` (all when None): its top-k logits when the
+    batch has them, else its last hidden state through ``head``."""
+    b, t = batch["input_ids"].shape
+
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(b * t, -1)
+        return x if rows is None else x[rows]
+
+    if "target_topk_ids" in batch:
+        return TopKTargets(flat(batch["target_topk_ids"]), flat(batch["target_topk_logits"]), vocab_size=vocab_size)
+    return DenseTargets(flat(batch["last_hidden_state"]), head)
 
 
 def slot_weights(ce: torch.Tensor, valid: torch.Tensor, weighting: str, gamma: float, alpha: float) -> torch.Tensor:
@@ -153,7 +191,7 @@ class DFlashObjective(nn.Module):
         return batch_anchors(batch, KEEP, self.block_size, self.anchors, self.training)
 
     def _slot_valid(self, batch: dict[str, Any], anchors: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-        v = slot_targets_valid(batch["loss_mask"], _documents(batch), self.block_size)  # (B, T, L)
+        v = slot_targets_valid(batch["loss_mask"], documents(batch), self.block_size)  # (B, T, L)
         return v.gather(1, anchors[:, :, None].expand(-1, -1, self.block_size)) & ok[:, :, None]  # (B, N, L)
 
     def loss_counts(self, batch: dict[str, Any]) -> torch.Tensor:
@@ -161,36 +199,18 @@ class DFlashObjective(nn.Module):
         anchors, ok = self._anchors(batch)
         return self._slot_valid(batch, anchors, ok).sum(dim=(0, 1))[1:]
 
-    def _target_source(self, batch: dict[str, Any]):
-        b, t = batch["input_ids"].shape
-        if "target_topk_ids" in batch:
-            return TopKTargets(batch["target_topk_ids"].reshape(b * t, -1),
-                               batch["target_topk_logits"].reshape(b * t, -1), vocab_size=self.draft.t2d.numel())
-        return DenseTargets(batch["last_hidden_state"].reshape(b * t, -1), self._head[0])
-
     def forward(self, batch: dict[str, Any], loss_normalizer: torch.Tensor | None = None) -> StepOutput:
         ids = batch["input_ids"]
-        b, t = ids.shape
-        doc = _documents(batch)
-        pos = batch.get("position_ids")
-        if pos is None:
-            pos = positions_from_documents(doc) if batch.get("document_ids") is not None else \
-                torch.arange(t, device=ids.device).expand(b, t)
+        t = ids.shape[1]
         anchors, ok = self._anchors(batch)
         valid = self._slot_valid(batch, anchors, ok)  # (B, N, L)
         size = self.block_size
-        context = self.draft.context(batch["aux_hidden_states"], pos)
-        hidden = []
-        for s in range(0, anchors.shape[1], self.anchor_chunk):  # bounded attention memory
-            a = anchors[:, s:s + self.anchor_chunk]
-            q_ids, q_pos, ctx_mask = block_inputs(ids, pos, doc, a, size, self.draft.mask_token_id)
-            h = self.draft(q_ids, q_pos, context, ctx_mask, block_size=size)  # (B, n*L, H)
-            hidden.append(h.view(b, a.shape[1], size, -1))
-        hidden = torch.cat(hidden, dim=1)  # (B, N, L, H)
+        hidden, context = block_hidden(self.draft, batch, anchors, self.anchor_chunk)  # (B, N, L, H)
         sel = torch.nonzero(valid, as_tuple=True)
         rows = sel[0] * t + anchors[sel[0], sel[1]] + sel[2] - 1  # verifier row predicting x_{a+k}
         h = hidden[sel]  # (M, H)
-        cols, has, pred_flat, target = rowwise_losses(self.draft, h, self._target_source(batch), rows, self.loss,
+        source = verifier_targets(batch, self._head[0], self.draft.t2d.numel())
+        cols, has, pred_flat, target = rowwise_losses(self.draft, h, source, rows, self.loss,
                                                       chunk_size=self.chunk_size, checkpoint=self.checkpoint)
         slot = sel[2]
         rows_loss = cols.new_zeros(cols.shape[0])

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.evaluate.sampling import SamplingParams, probs_from_logits, sample
+from tiny_speculators.evaluate.sampling import SamplingParams
 from tiny_speculators.models.dflash.model import DFlashDraft
+from tiny_speculators.models.proposing import pick_tokens
 
 __all__ = ["DFlashProposer"]
 
@@ -94,12 +95,4 @@ class DFlashProposer:
         out = self.draft(ids, pos, self.context_kv(), None, block_size=k + 1)
         self.draft_forwards += 1
         logits = self.draft.compute_logits(out[0, 1:]).float()  # (k, Vd)
-        draft, qs = [], []
-        for i in range(k):
-            if params.greedy:
-                draft.append(int(self.target_ids[int(torch.argmax(logits[i]))]))
-            else:
-                q = probs_from_logits(self.to_target_logits(logits[i]), params).cpu()
-                draft.append(sample(q, generator))
-                qs.append(q)
-        return draft, (torch.stack(qs) if qs else None)
+        return pick_tokens(logits, self.target_ids, self.to_target_logits, params, generator)

@@ -27,10 +27,18 @@ from typing import Any
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.builder import decoder_fields, rope_parameters_of
-from tiny_speculators.models.eagle3.speculators import SPECULATORS_SCHEMA_VERSION, verifier_of
+from tiny_speculators.models.eagle3.builder import decoder_fields, layer_shape_of
+from tiny_speculators.models.eagle3.speculators import (
+    SPECULATORS_SCHEMA_VERSION,
+    check_proposal,
+    layer_config,
+    normalize_state,
+    proposal_config,
+    speculative_tokens_of,
+    verifier_of,
+)
 from tiny_speculators.models.family import DraftFormat, ExportInfo
-from tiny_speculators.models.files import cast_state, dtype_name, read_json, require
+from tiny_speculators.models.files import cast_state, dtype_name, read_json
 
 CONFIG = "config.json"
 
@@ -58,22 +66,14 @@ def config(kwargs: Mapping[str, Any], info: ExportInfo) -> dict[str, Any]:
     if target_hidden != kwargs["hidden_size"]:
         cfg["target_hidden_size"] = int(target_hidden)
     cfg["transformer_layer_config"] = layer
-    cfg["speculators_config"] = {
-        "algorithm": "dflash",
-        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(info.speculative_tokens),
-                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-        "default_proposal_method": "greedy",
-        "verifier": {"name_or_path": info.verifier_name, "architectures": list(info.verifier_architectures)},
-    }
+    cfg["speculators_config"] = proposal_config("dflash", info.speculative_tokens, info.verifier_name,
+                                                info.verifier_architectures)
     cfg["dtype"] = cfg["torch_dtype"] = dtype_name(info.dtype)
     return cfg
 
 
 def write(draft, info: ExportInfo) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    if info.speculative_tokens < 1:
-        raise UserError(f"speculative_tokens must be at least 1, got {info.speculative_tokens}")
-    if not info.verifier_name:
-        raise UserError("the verifier's name_or_path is unknown: pass --verifier-name")
+    check_proposal(info.speculative_tokens, info.verifier_name)
     kw = draft.kwargs
     state = dict(draft.state_dict())
     if not kw.get("train_embeddings", False):
@@ -100,11 +100,8 @@ def read(directory: Path, raw: Mapping[str, Any], tensors: dict[str, torch.Tenso
 
 def read_backbone(directory: Path, cfg: Mapping[str, Any], tensors: dict[str, torch.Tensor], where: str):
     """The DFlash part of a speculators config (also DSpark's): ``(kwargs, state, record)``."""
-    require(cfg, ["transformer_layer_config", "speculators_config", "mask_token_id", "aux_hidden_state_layer_ids"],
-            where)
-    layer = cfg["transformer_layer_config"]
-    require(layer, ["vocab_size", "hidden_size", "intermediate_size", "num_attention_heads"],
-            f"{where} transformer_layer_config")
+    layer = layer_config(cfg, ["transformer_layer_config", "speculators_config", "mask_token_id",
+                               "aux_hidden_state_layer_ids"], where)
     if any(t == "sliding_attention" for t in layer.get("layer_types") or []) or layer.get("use_sliding_window"):
         raise UserError(f"{where}: sliding-window draft layers (transformer_layer_config.layer_types) "
                         "are not supported")
@@ -112,31 +109,22 @@ def read_backbone(directory: Path, cfg: Mapping[str, Any], tensors: dict[str, to
         raise UserError(f"{where}: projector_type {cfg['projector_type']!r} is not supported (only 'dflash')")
     if (Path(directory) / "mask_embedding.pt").exists():
         raise UserError(f"{directory}/mask_embedding.pt (a separate mask embedding) is not supported")
-    state = {k.removeprefix("model."): v for k, v in tensors.items()
-             if k not in ("verifier_lm_head.weight", "verifier_norm.weight")}
-    hidden = int(layer["hidden_size"])
-    heads = int(layer["num_attention_heads"])
-    target_hidden = int(cfg.get("target_hidden_size") or hidden)
+    state = normalize_state(tensors)
+    target_hidden = int(cfg.get("target_hidden_size") or layer["hidden_size"])
     aux = [int(i) for i in cfg["aux_hidden_state_layer_ids"]]
     vocab = int(layer["vocab_size"])
     block = int(cfg.get("block_size") or 8)
     kwargs = dict(
-        vocab_size=vocab, hidden_size=hidden, num_attention_heads=heads,
-        num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
-        head_dim=int(layer.get("head_dim") or hidden // heads), intermediate_size=int(layer["intermediate_size"]),
+        **layer_shape_of(layer),
         draft_vocab_size=int(cfg.get("draft_vocab_size") or vocab), num_layers=int(layer.get("num_hidden_layers", 1)),
         block_size=block, mask_token_id=int(cfg["mask_token_id"]), target_hidden_size=target_hidden,
-        num_aux=len(aux), rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-        rope_parameters=rope_parameters_of(layer),
-        max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
-        attention_bias=bool(layer.get("attention_bias", False)),
+        num_aux=len(aux),
         causal=not bool(cfg.get("sliding_window_non_causal", True)),  # vLLM 0.32's reading (update_dflash)
         train_embeddings="embed_tokens.weight" in state,
         train_lm_head="lm_head.weight" in state and int(cfg.get("draft_vocab_size") or vocab) == vocab,
-        hidden_act=layer.get("hidden_act", "silu"), aux_layer_ids=aux,
+        aux_layer_ids=aux,
     )
-    tokens = int(cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
-    return kwargs, state, {"verifier": verifier_of(cfg), "speculative_tokens": tokens}
+    return kwargs, state, {"verifier": verifier_of(cfg), "speculative_tokens": speculative_tokens_of(cfg)}
 
 
 def vllm_speculative_config(folder: str, k: int) -> dict[str, Any]:

@@ -61,12 +61,7 @@ class DSparkOptions:
     causal: bool = False
 
     def __post_init__(self) -> None:
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be at least 2, got {self.block_size}")
-        if self.num_layers < 1 or self.anchors < 1:
-            raise ValueError(f"num_layers and anchors must be at least 1, got {self.num_layers}, {self.anchors}")
-        if self.gamma is not None and self.gamma <= 0:
-            raise ValueError(f"gamma must be positive, got {self.gamma}")
+        dflash_family.check_block_options(self)
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank}")
         if min(self.ce_weight, self.tv_weight, self.confidence_weight) < 0:

@@ -27,17 +27,16 @@ from torch.utils.checkpoint import checkpoint as grad_checkpoint
 
 from tiny_speculators.models.dflash.objective import (
     batch_anchors,
-    block_inputs,
+    block_hidden,
+    documents,
     slot_targets_valid,
     slot_weights,
+    verifier_targets,
 )
 from tiny_speculators.models.dspark.model import DSparkDraft
-from tiny_speculators.models.eagle3.ttt import positions_from_documents
 from tiny_speculators.models.family import StepOutput
 from tiny_speculators.models.losses import (
-    DenseTargets,
     LossSpec,
-    TopKTargets,
     combine_terms,
     dpace_weights,
     row_columns,
@@ -48,11 +47,6 @@ METRIC_KEYS = ("wloss_sum", "count", "ce_sum", "tv_sum", "bce_sum", "accept_sum"
                "cond_correct", "cond_count")
 
 __all__ = ["DSparkObjective", "prediction_valid", "summarize"]
-
-
-def _documents(batch: Mapping[str, Any]) -> torch.Tensor:
-    doc = batch.get("document_ids")
-    return doc if doc is not None else torch.zeros_like(batch["input_ids"])
 
 
 def prediction_valid(loss_mask: torch.Tensor, doc: torch.Tensor, predictions: int) -> torch.Tensor:
@@ -98,7 +92,7 @@ class DSparkObjective(nn.Module):
         return batch_anchors(batch, KEEP, self.block_size, self.anchors, self.training)
 
     def _valid(self, batch: dict[str, Any], anchors: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-        v = prediction_valid(batch["loss_mask"], _documents(batch), self.predictions)  # (B, T, P)
+        v = prediction_valid(batch["loss_mask"], documents(batch), self.predictions)  # (B, T, P)
         return v.gather(1, anchors[:, :, None].expand(-1, -1, self.predictions)) & ok[:, :, None]  # (B, N, P)
 
     def loss_counts(self, batch: dict[str, Any]) -> torch.Tensor:
@@ -106,32 +100,14 @@ class DSparkObjective(nn.Module):
         anchors, ok = self._anchors(batch)
         return self._valid(batch, anchors, ok).sum(dim=(0, 1))
 
-    def _source(self, batch: dict[str, Any], rows: torch.Tensor):
-        b, t = batch["input_ids"].shape
-        if "target_topk_ids" in batch:
-            return TopKTargets(batch["target_topk_ids"].reshape(b * t, -1)[rows],
-                               batch["target_topk_logits"].reshape(b * t, -1)[rows], vocab_size=self.draft.t2d.numel())
-        return DenseTargets(batch["last_hidden_state"].reshape(b * t, -1)[rows], self._head[0])
-
     def forward(self, batch: dict[str, Any], loss_normalizer: torch.Tensor | None = None) -> StepOutput:
         ids = batch["input_ids"]
         b, t = ids.shape
-        doc = _documents(batch)
-        pos = batch.get("position_ids")
-        if pos is None:
-            pos = positions_from_documents(doc) if batch.get("document_ids") is not None else \
-                torch.arange(t, device=ids.device).expand(b, t)
         anchors, ok = self._anchors(batch)
         valid = self._valid(batch, anchors, ok)  # (B, N, P)
-        size, n_pred, draft = self.block_size, self.predictions, self.draft
-        context = draft.context(batch["aux_hidden_states"], pos)
-        hidden = []
-        for s in range(0, anchors.shape[1], self.anchor_chunk):  # bounded attention memory
-            a = anchors[:, s:s + self.anchor_chunk]
-            q_ids, q_pos, ctx_mask = block_inputs(ids, pos, doc, a, size, draft.mask_token_id)
-            h = draft(q_ids, q_pos, context, ctx_mask, block_size=size)  # (B, n*L, H)
-            hidden.append(h.view(b, a.shape[1], size, -1)[:, :, self.first_slot:self.first_slot + n_pred])
-        hidden = torch.cat(hidden, dim=1)  # (B, N, P, H)
+        n_pred, draft = self.predictions, self.draft
+        hidden, context = block_hidden(draft, batch, anchors, self.anchor_chunk,
+                                       keep=slice(self.first_slot, self.first_slot + n_pred))  # (B, N, P, H)
         sel = torch.nonzero(valid, as_tuple=True)
         rows = sel[0] * t + anchors[sel[0], sel[1]] + sel[2]  # verifier row predicting x_{a+j+1}
         prev = ids.reshape(-1)[rows]  # x_{a+j}
@@ -139,7 +115,7 @@ class DSparkObjective(nn.Module):
         weights = slot_weights(torch.zeros(valid.shape[0] * valid.shape[1], n_pred + 1, device=ids.device),
                                torch.cat([pad, valid], -1).view(-1, n_pred + 1), "exp", self.gamma,
                                0.0)[:, 1:].reshape(valid.shape)  # (B, N, P): exp(-j / gamma)
-        source = self._source(batch, rows)
+        source = verifier_targets(batch, self._head[0], draft.t2d.numel(), rows)
         cols = torch.arange(draft.draft_vocab_size, device=ids.device) + draft.d2t  # target id per draft id
         index = torch.full((draft.t2d.numel(),), -1, dtype=torch.long, device=ids.device)
         index[cols] = torch.arange(draft.draft_vocab_size, device=ids.device)

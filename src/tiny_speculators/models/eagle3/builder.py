@@ -15,7 +15,7 @@ import torch
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.eagle3.model import Eagle3Draft
-from tiny_speculators.models.importing import check_vocab_maps
+from tiny_speculators.models.importing import copy_verifier_weights
 from tiny_speculators.verifier.describe import text_config
 
 log = logging.getLogger(__name__)
@@ -102,22 +102,9 @@ def build_draft(
     Randomly initialized weights depend on the caller's torch seed.
     """
     draft = Eagle3Draft(**kwargs)
-    target_ids = check_vocab_maps(d2t, t2d, draft.draft_vocab_size, draft.embed_tokens.num_embeddings)
-    with torch.no_grad():
-        draft.d2t.copy_(d2t.long())
-        draft.t2d.copy_(t2d.bool())
-        if embed_weight is not None:
-            if embed_weight.shape != draft.embed_tokens.weight.shape:
-                raise UserError(f"verifier embeddings have shape {tuple(embed_weight.shape)}, the draft needs "
-                                f"{tuple(draft.embed_tokens.weight.shape)}")
-            draft.embed_tokens.weight.copy_(embed_weight)
-        else:
-            log.warning("no verifier embeddings given: the draft's embed_tokens stay random")
-        if lm_head_weight is not None:
-            if lm_head_weight.shape != (draft.embed_tokens.num_embeddings, draft.hidden_size):
-                raise UserError(f"verifier lm_head has shape {tuple(lm_head_weight.shape)}, expected "
-                                f"({draft.embed_tokens.num_embeddings}, {draft.hidden_size})")
-            draft.lm_head.weight.copy_(lm_head_weight[target_ids.to(lm_head_weight.device)])
+    if embed_weight is None:
+        log.warning("no verifier embeddings given: the draft's embed_tokens stay random")
+    copy_verifier_weights(draft, d2t, t2d, embed_weight, lm_head_weight)
     return draft
 
 
@@ -145,3 +132,23 @@ def decoder_fields(kwargs: Mapping[str, Any]) -> dict[str, Any]:
         "rope_theta": float(rope.get("rope_theta", 10000.0)),
         "rope_scaling": None if rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
     }
+
+
+def layer_shape_of(layer: Mapping[str, Any]) -> dict[str, Any]:
+    """The draft keyword arguments an HF decoder config gives (a ``transformer_layer_config``, SGLang's flat
+    config): vocabulary, attention and MLP shape, norm eps, RoPE, activation; what :func:`decoder_fields` wrote."""
+    hidden = int(layer["hidden_size"])
+    heads = int(layer["num_attention_heads"])
+    return dict(
+        vocab_size=int(layer["vocab_size"]),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
+        head_dim=int(layer.get("head_dim") or hidden // heads),
+        intermediate_size=int(layer["intermediate_size"]),
+        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+        rope_parameters=rope_parameters_of(layer),
+        max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
+        attention_bias=bool(layer.get("attention_bias", False)),
+        hidden_act=layer.get("hidden_act", "silu"),
+    )

@@ -26,20 +26,31 @@ print(d(ids, d.fuse(torch.randn(1, 5, 96)), torch.arange(5)[None]).logits.shape)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from tiny_speculators.errors import UserError
 from tiny_speculators.models.eagle3.attention import attend
+from tiny_speculators.models.layers import (
+    MLP,
+    DraftOutput,
+    RMSNorm,
+    Rotary,
+    add_output_layers,
+    apply_rope,
+    check_draft_shape,
+    init_weights,
+    layer_kwargs,
+    rope_or_default,
+    rotary_of,
+    to_target_logits,
+)
 
+__all__ = ["MLP", "Attention", "DecoderLayer", "Eagle3Draft", "Eagle3Output", "KVCache", "RMSNorm", "Rotary",
+           "apply_rope", "check_draft_shape", "init_weights", "to_target_logits"]
 
-@dataclass
-class Eagle3Output:
-    logits: torch.Tensor | None  # (B, T, draft_vocab); None when forward(..., logits=False)
-    hidden_states: torch.Tensor  # (B, T, H) pre-norm output, fed back as the next step's hidden state
+Eagle3Output = DraftOutput  # logits (B, T, draft_vocab) or None, hidden_states (B, T, H) pre-norm output
 
 
 class KVCache:
@@ -74,66 +85,6 @@ class KVCache:
 
     def reset(self) -> None:
         self.k = self.v = None
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back before the weight (Llama / vLLM convention)."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-class Rotary(nn.Module):
-    """Neox-style RoPE (rotate-half) with the verifier's ``rope_parameters`` (HF v5 layout)."""
-
-    def __init__(self, head_dim: int, rope_parameters: dict[str, Any], max_position_embeddings: int) -> None:
-        super().__init__()
-        params = dict(rope_parameters)
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        theta = float(params.get("rope_theta", 10000.0))
-        if rope_type == "default":
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-            scaling = 1.0
-        elif rope_type in ("linear", "llama3", "yarn"):
-            from transformers import PretrainedConfig
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            # A throwaway config object: only the rope init function sees it, the module keeps tensors.
-            cfg = PretrainedConfig()
-            cfg.rope_parameters = {**params, "rope_type": rope_type, "rope_theta": theta}
-            cfg.head_dim = head_dim
-            cfg.hidden_size, cfg.num_attention_heads = head_dim, 1  # some init functions derive head_dim
-            cfg.max_position_embeddings = max_position_embeddings
-            cfg.partial_rotary_factor = 1.0
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
-        else:
-            raise UserError(f"rope_type {rope_type!r} is not supported by the EAGLE-3 draft "
-                            "(supported: default, linear, llama3, yarn)")
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
-        self.attention_scaling = float(scaling)
-
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq  # (B, T, D/2)
-        emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, D)
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [B, heads, T, D]``, ``cos/sin [B, T, D]``."""
-    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 
 class Attention(nn.Module):
@@ -175,17 +126,6 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
-class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, *, hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
                  rms_norm_eps, attention_bias, layer_type, norm_before_residual) -> None:
@@ -205,43 +145,6 @@ class DecoderLayer(nn.Module):
         a = self.self_attn(torch.cat([e, hn], dim=-1), cos, sin, attention_mask, cache)  # (B, T, H)
         residual = a + residual
         return self.mlp(self.post_attention_layernorm(residual)) + residual  # pre-norm output
-
-
-def check_draft_shape(*, num_aux: int, aux_layer_ids, layer_type: str, hidden_act: str, num_attention_heads: int,
-                      num_key_value_heads: int) -> None:
-    """The checks every EAGLE-style draft makes on its keyword arguments (one-line UserErrors)."""
-    if aux_layer_ids is not None and len(aux_layer_ids) != num_aux:
-        raise UserError(f"{len(aux_layer_ids)} aux layer ids {list(aux_layer_ids)} for a draft that fuses "
-                        f"{num_aux} verifier layers")
-    if layer_type not in ("llama", "qwen3"):
-        raise UserError(f"layer_type must be 'llama' or 'qwen3', got {layer_type!r}")
-    if hidden_act != "silu":
-        raise UserError(f"the draft supports hidden_act 'silu' only, got {hidden_act!r}")
-    if num_attention_heads % num_key_value_heads:
-        raise UserError(f"num_attention_heads {num_attention_heads} is not a multiple of "
-                        f"num_key_value_heads {num_key_value_heads}")
-
-
-@torch.no_grad()
-def init_weights(module: nn.Module, std: float = 0.02) -> None:
-    """Normal(0, std) for linear and embedding weights, zeros for biases, ones for norms."""
-    for m in module.modules():
-        if isinstance(m, nn.Linear):
-            m.weight.normal_(0.0, std)
-            if m.bias is not None:
-                m.bias.zero_()
-        elif isinstance(m, nn.Embedding):
-            m.weight.normal_(0.0, std)
-        elif isinstance(m, RMSNorm):
-            m.weight.fill_(1.0)
-
-
-def to_target_logits(draft: nn.Module, logits: torch.Tensor) -> torch.Tensor:
-    """Draft-vocab logits [..., Vd] -> target-vocab logits [..., V] (-inf for ids outside the draft vocab)."""
-    target_ids = draft.d2t.new_tensor(range(draft.draft_vocab_size)) + draft.d2t
-    full = logits.new_full((*logits.shape[:-1], draft.t2d.numel()), float("-inf"))
-    full[..., target_ids.to(logits.device)] = logits
-    return full
 
 
 class Eagle3Draft(nn.Module):
@@ -293,7 +196,7 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         check_draft_shape(num_aux=num_aux, aux_layer_ids=aux_layer_ids, layer_type=layer_type, hidden_act=hidden_act,
                           num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads)
-        rope_parameters = dict(rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
+        rope_parameters = rope_or_default(rope_parameters)
         target_hidden_size = target_hidden_size or hidden_size
         self.kwargs = dict(  # exactly what save_draft writes and load_draft rebuilds from
             vocab_size=vocab_size, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
@@ -314,18 +217,9 @@ class Eagle3Draft(nn.Module):
         self.fc_norm = (nn.ModuleList([RMSNorm(target_hidden_size, rms_norm_eps) for _ in range(num_aux)])
                         if fc_norm else None)
         self.fc = nn.Linear(num_aux * target_hidden_size, hidden_size, bias=False)
-        self.layers = nn.ModuleList([DecoderLayer(
-            hidden_size=hidden_size, intermediate_size=intermediate_size, num_attention_heads=num_attention_heads,
-            num_key_value_heads=num_key_value_heads, head_dim=head_dim, rms_norm_eps=rms_norm_eps,
-            attention_bias=attention_bias, layer_type=layer_type, norm_before_residual=norm_before_residual,
-        )])
-        self.norm = RMSNorm(hidden_size, rms_norm_eps)
-        self.lm_head = nn.Linear(hidden_size, draft_vocab_size, bias=False)
-        self.rotary = Rotary(head_dim, rope_parameters, max_position_embeddings)
-        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
-        t2d = torch.zeros(vocab_size, dtype=torch.bool)
-        t2d[:draft_vocab_size] = True
-        self.register_buffer("t2d", t2d)
+        self.layers = nn.ModuleList([DecoderLayer(**layer_kwargs(self.kwargs), layer_type=layer_type,
+                                                  norm_before_residual=norm_before_residual)])
+        add_output_layers(self)  # norm, lm_head, rotary, d2t, t2d
         self.reset_parameters()
 
     @torch.no_grad()
@@ -335,8 +229,7 @@ class Eagle3Draft(nn.Module):
 
     def after_load(self, device: str | torch.device) -> None:
         """After weights were assigned into a meta-device build: rebuild RoPE buffers, re-freeze embeddings."""
-        self.rotary = Rotary(self.kwargs["head_dim"], self.kwargs["rope_parameters"],
-                             self.kwargs["max_position_embeddings"]).to(device)
+        self.rotary = rotary_of(self.kwargs).to(device)
         self.embed_tokens.weight.requires_grad_(bool(self.kwargs.get("train_embeddings", False)))
 
     def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.builder import decoder_fields, rope_parameters_of
+from tiny_speculators.models.eagle3.builder import decoder_fields, layer_shape_of
 from tiny_speculators.models.family import DraftFormat, ExportInfo
 from tiny_speculators.models.files import cast_state, dtype_name, read_json, require
 
@@ -108,32 +108,20 @@ def aux_layer_ids_of(cfg: Mapping[str, Any], verifier_layers: int | None) -> lis
 
 
 def draft_kwargs(cfg: Mapping[str, Any], draft_vocab_size: int, fc_in_features: int) -> dict[str, Any]:
-    hidden = int(cfg["hidden_size"])
-    heads = int(cfg["num_attention_heads"])
-    target_hidden = int(cfg.get("target_hidden_size") or hidden)
+    target_hidden = int(cfg.get("target_hidden_size") or cfg["hidden_size"])
     if fc_in_features % target_hidden:
         raise UserError(f"fc.weight takes {fc_in_features} inputs, not a multiple of the verifier hidden size "
                         f"{target_hidden}")
     return dict(
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        intermediate_size=int(cfg["intermediate_size"]),
+        **layer_shape_of(cfg),
         draft_vocab_size=int(draft_vocab_size),
         target_hidden_size=target_hidden,
         num_aux=fc_in_features // target_hidden,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_parameters=rope_parameters_of(cfg),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        attention_bias=bool(cfg.get("attention_bias", False)),
         layer_type="llama",
         norm_before_residual=False,  # SGLang's layer keeps the un-normed hidden state as residual
         norm_before_fc=False,
         fc_norm=False,
         train_embeddings=False,
-        hidden_act=cfg.get("hidden_act", "silu"),
     )
 
 

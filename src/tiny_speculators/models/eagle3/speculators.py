@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.builder import decoder_fields, rope_parameters_of
+from tiny_speculators.models.eagle3.builder import decoder_fields, layer_shape_of
 from tiny_speculators.models.family import DraftFormat, ExportInfo
 from tiny_speculators.models.files import cast_state, dtype_name, read_json, require
 
@@ -55,6 +55,30 @@ def transformer_layer_config(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+def check_proposal(speculative_tokens: int, verifier_name: str | None) -> None:
+    """What every speculators export needs: a positive number of speculative tokens and the verifier's name."""
+    if speculative_tokens < 1:
+        raise UserError(f"speculative_tokens must be at least 1, got {speculative_tokens}")
+    if not verifier_name:
+        raise UserError("the verifier's name_or_path is unknown: pass --verifier-name")
+
+
+def proposal_config(algorithm: str, speculative_tokens: int, verifier_name: str,
+                    verifier_architectures: Any) -> dict[str, Any]:
+    """The ``speculators_config`` section: greedy proposals of ``speculative_tokens`` tokens, and the verifier."""
+    return {
+        "algorithm": algorithm,
+        "proposal_methods": [{
+            "proposal_type": "greedy",
+            "speculative_tokens": int(speculative_tokens),
+            "verifier_accept_k": 1,
+            "accept_tolerance": 0.0,
+        }],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": verifier_name, "architectures": list(verifier_architectures or [])},
+    }
+
+
 def speculators_config(
     kwargs: Mapping[str, Any],
     *,
@@ -69,10 +93,7 @@ def speculators_config(
     """
     if kwargs.get("layer_type", "llama") not in LAYER_ARCHITECTURES:
         raise UserError(f"layer_type {kwargs.get('layer_type')!r} has no speculators equivalent")
-    if speculative_tokens < 1:
-        raise UserError(f"speculative_tokens must be at least 1, got {speculative_tokens}")
-    if not verifier.get("name_or_path"):
-        raise UserError("the verifier's name_or_path is unknown: pass --verifier-name")
+    check_proposal(speculative_tokens, verifier.get("name_or_path"))
     cfg: dict[str, Any] = {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -94,20 +115,8 @@ def speculators_config(
                             f"{kwargs.get('num_aux', 3)} verifier layers")
         cfg["eagle_aux_hidden_state_layer_ids"] = [int(i) for i in aux_layer_ids]
     cfg["transformer_layer_config"] = transformer_layer_config(kwargs)
-    cfg["speculators_config"] = {
-        "algorithm": "eagle3",
-        "proposal_methods": [{
-            "proposal_type": "greedy",
-            "speculative_tokens": int(speculative_tokens),
-            "verifier_accept_k": 1,
-            "accept_tolerance": 0.0,
-        }],
-        "default_proposal_method": "greedy",
-        "verifier": {
-            "name_or_path": str(verifier["name_or_path"]),
-            "architectures": list(verifier.get("architectures") or []),
-        },
-    }
+    cfg["speculators_config"] = proposal_config("eagle3", speculative_tokens, str(verifier["name_or_path"]),
+                                                verifier.get("architectures"))
     cfg["dtype"] = cfg["torch_dtype"] = dtype_name(dtype)
     return cfg
 
@@ -129,6 +138,17 @@ def is_speculators_config(config: Mapping[str, Any]) -> bool:
     return config.get("speculators_model_type") == "eagle3" and not config.get("parallel_drafting")
 
 
+def layer_config(cfg: Mapping[str, Any], required: list[str], where: str) -> Mapping[str, Any]:
+    """``cfg``'s ``transformer_layer_config``, once ``cfg`` has its ``required`` fields and the layer its shape."""
+    require(cfg, required, where)
+    layer = cfg["transformer_layer_config"]
+    if not isinstance(layer, Mapping):
+        raise UserError(f"{where}: transformer_layer_config must be an object")
+    require(layer, ["vocab_size", "hidden_size", "intermediate_size", "num_attention_heads"],
+            f"{where} transformer_layer_config")
+    return layer
+
+
 def read_config(directory: Path) -> dict[str, Any]:
     """``config.json`` of a speculators-format EAGLE-3 draft, checked for the fields vLLM needs."""
     path = Path(directory) / CONFIG
@@ -137,12 +157,7 @@ def read_config(directory: Path) -> dict[str, Any]:
     if cfg.get("speculators_model_type") != "eagle3":
         raise UserError(f"{path} has speculators_model_type {cfg.get('speculators_model_type')!r}; "
                         "only 'eagle3' drafts can be imported")
-    require(cfg, ["draft_vocab_size", "transformer_layer_config", "speculators_config"], where)
-    layer = cfg["transformer_layer_config"]
-    if not isinstance(layer, Mapping):
-        raise UserError(f"{where}: transformer_layer_config must be an object")
-    require(layer, ["vocab_size", "hidden_size", "intermediate_size", "num_attention_heads"],
-            f"{where} transformer_layer_config")
+    layer = layer_config(cfg, ["draft_vocab_size", "transformer_layer_config", "speculators_config"], where)
     spec = cfg["speculators_config"]
     methods = spec.get("proposal_methods") if isinstance(spec, Mapping) else None
     if not methods or not isinstance(methods, list) or "speculative_tokens" not in methods[0]:
@@ -163,9 +178,7 @@ def read_config(directory: Path) -> dict[str, Any]:
 def draft_kwargs(cfg: Mapping[str, Any], fc_in_features: int | None = None) -> dict[str, Any]:
     """``Eagle3Draft`` keyword arguments from a checked speculators config."""
     layer = cfg["transformer_layer_config"]
-    hidden = int(layer["hidden_size"])
-    heads = int(layer["num_attention_heads"])
-    target_hidden = int(cfg.get("target_hidden_size") or hidden)
+    target_hidden = int(cfg.get("target_hidden_size") or layer["hidden_size"])
     aux = cfg.get("eagle_aux_hidden_state_layer_ids")
     num_aux = int(layer.get("num_aux_hidden_states") or (len(aux) if aux else 3))
     if fc_in_features is not None and fc_in_features != num_aux * target_hidden:
@@ -174,26 +187,16 @@ def draft_kwargs(cfg: Mapping[str, Any], fc_in_features: int | None = None) -> d
                             f"size {target_hidden}")
         num_aux = fc_in_features // target_hidden
     return dict(
-        vocab_size=int(layer["vocab_size"]),
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
-        head_dim=int(layer.get("head_dim") or hidden // heads),
-        intermediate_size=int(layer["intermediate_size"]),
+        **layer_shape_of(layer),
         draft_vocab_size=int(cfg["draft_vocab_size"]),
         target_hidden_size=target_hidden,
         num_aux=num_aux,
-        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-        rope_parameters=rope_parameters_of(layer),
-        max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
-        attention_bias=bool(layer.get("attention_bias", False)),
         layer_type=layer.get("model_type", "llama"),
         # vLLM's default when the field is absent (speculators' own default is False).
         norm_before_residual=bool(cfg.get("norm_before_residual", True)),
         norm_before_fc=bool(cfg.get("norm_before_fc", False)),
         fc_norm=bool(cfg.get("fc_norm", False)),
         train_embeddings=bool(cfg.get("embed_requires_grad", False)),
-        hidden_act=layer.get("hidden_act", "silu"),
     )
 
 

@@ -39,7 +39,16 @@ import torch
 from torch import nn
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.model import MLP, Attention, Eagle3Output, KVCache, RMSNorm, Rotary
+from tiny_speculators.models.eagle3.model import Attention, KVCache
+from tiny_speculators.models.layers import (
+    MLP,
+    DraftOutput,
+    RMSNorm,
+    check_heads,
+    init_weights,
+    rope_or_default,
+    rotary_of,
+)
 from tiny_speculators.models.mtp import deepseek
 
 __all__ = ["LAYER_TENSORS", "MTPDraft"]
@@ -94,10 +103,8 @@ class MTPDraft(nn.Module):
         if aux_layer_ids is not None and [int(i) for i in aux_layer_ids] != [num_hidden_layers]:
             raise UserError(f"an MTP layer reads the verifier's last hidden state (aux layer id {num_hidden_layers}), "
                             f"not aux layers {list(aux_layer_ids)}")
-        if num_attention_heads % num_key_value_heads:
-            raise UserError(f"num_attention_heads {num_attention_heads} is not a multiple of "
-                            f"num_key_value_heads {num_key_value_heads}")
-        rope_parameters = dict(rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
+        check_heads(num_attention_heads, num_key_value_heads)
+        rope_parameters = rope_or_default(rope_parameters)
         self.kwargs = dict(  # exactly what save_draft writes and load_draft rebuilds from
             vocab_size=vocab_size, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
             num_key_value_heads=num_key_value_heads, head_dim=head_dim, intermediate_size=intermediate_size,
@@ -131,7 +138,7 @@ class MTPDraft(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
         self.mlp = MLP(hidden_size, intermediate_size)
         self.final_layernorm = RMSNorm(hidden_size, rms_norm_eps)
-        self.rotary = Rotary(head_dim, rope_parameters, max_position_embeddings)
+        self.rotary = rotary_of(self.kwargs)
         self.reset_parameters()
         self.freeze_shared()
 
@@ -162,13 +169,7 @@ class MTPDraft(nn.Module):
         if self.layout == "deepseek_v3":
             deepseek.reset_named(self, std)
             return
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                m.weight.normal_(0.0, std)
-                if getattr(m, "bias", None) is not None:
-                    m.bias.zero_()
-            elif isinstance(m, RMSNorm):
-                m.weight.fill_(1.0)
+        init_weights(self, std)
 
     def freeze_shared(self) -> None:
         """The embedding and lm_head are the verifier's: never trained."""
@@ -181,8 +182,7 @@ class MTPDraft(nn.Module):
             self.rotary = deepseek.rotary(self._hf_config).to(device)
             self.freeze_shared()
             return
-        self.rotary = Rotary(self.kwargs["head_dim"], self.kwargs["rope_parameters"],
-                             self.kwargs["max_position_embeddings"]).to(device)
+        self.rotary = rotary_of(self.kwargs).to(device)
         self.freeze_shared()
 
     def layer_state(self) -> dict[str, torch.Tensor]:
@@ -211,7 +211,7 @@ class MTPDraft(nn.Module):
         cache: KVCache | None = None,
         *,
         logits: bool = True,
-    ) -> Eagle3Output:
+    ) -> DraftOutput:
         """One MTP step over ``T`` new positions.
 
         Args:
@@ -228,12 +228,12 @@ class MTPDraft(nn.Module):
         if self.layout == "deepseek_v3":  # token FIRST in the concat; shared_head.norm is the final norm
             u = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden_states)], dim=-1))  # (B, T, H)
             y = self.shared_head.norm(deepseek.block_forward(self, u, position_ids, attention_mask, cache))
-            return Eagle3Output(logits=self.compute_logits(y) if logits else None, hidden_states=y)
+            return DraftOutput(logits=self.compute_logits(y) if logits else None, hidden_states=y)
         cos, sin = self.rotary(position_ids, hidden_states.dtype)
         u = self.input_proj(torch.cat([self.hidden_layernorm(hidden_states), self.token_layernorm(embeds)], dim=-1))
         r = u + self.self_attn(self.input_layernorm(u), cos, sin, attention_mask, cache)  # (B, T, H)
         y = self.final_layernorm(r + self.mlp(self.post_attention_layernorm(r)))  # (B, T, H)
-        return Eagle3Output(logits=self.compute_logits(y) if logits else None, hidden_states=y)
+        return DraftOutput(logits=self.compute_logits(y) if logits else None, hidden_states=y)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft ids are target ids (the whole vocabulary)."""

@@ -14,8 +14,8 @@ from torch import nn
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.eagle3.builder import draft_kwargs_from_verifier
 from tiny_speculators.models.eagle3.family import default_aux_layer_ids, resolve_layer_type
-from tiny_speculators.models.family import BuildInputs, DraftFamily
-from tiny_speculators.models.importing import check_vocab_maps
+from tiny_speculators.models.family import BuildInputs, DraftFamily, mask_token_of
+from tiny_speculators.models.importing import copy_verifier_weights
 from tiny_speculators.models.losses import LossSpec
 from tiny_speculators.models.peagle import speculators
 from tiny_speculators.models.peagle.model import PEagleDraft
@@ -60,17 +60,6 @@ class PEagleOptions:
             raise ValueError(f"decay must be in (0, 1], got {self.decay}")
 
 
-def _mask_token(options: PEagleOptions, verifier_config) -> int:
-    if options.mask_token_id is not None:
-        return options.mask_token_id
-    for key in ("pad_token_id", "eos_token_id"):
-        value = getattr(verifier_config, key, None)
-        value = value[0] if isinstance(value, list) and value else value
-        if isinstance(value, int):
-            return value
-    return 0
-
-
 def build(inputs: BuildInputs, options: PEagleOptions) -> PEagleDraft:
     cfg = inputs.verifier_config
     base = draft_kwargs_from_verifier(cfg, int(inputs.d2t.shape[0]), num_aux=len(inputs.aux_layer_ids),
@@ -78,21 +67,9 @@ def build(inputs: BuildInputs, options: PEagleOptions) -> PEagleDraft:
                                       layer_type=resolve_layer_type(options.layer_type, cfg),
                                       norm_before_residual=options.norm_before_residual)
     kwargs = {k: v for k, v in base.items() if k != "fc_norm"}
-    draft = PEagleDraft(**kwargs, num_layers=options.num_layers, mask_token_id=_mask_token(options, cfg),
-                        num_depths=options.depths)
-    target_ids = check_vocab_maps(inputs.d2t, inputs.t2d, draft.draft_vocab_size, draft.embed_tokens.num_embeddings)
-    import torch
-
-    with torch.no_grad():
-        draft.d2t.copy_(inputs.d2t.long())
-        draft.t2d.copy_(inputs.t2d.bool())
-        if inputs.embed_weight is not None:
-            if inputs.embed_weight.shape != draft.embed_tokens.weight.shape:
-                raise UserError(f"verifier embeddings have shape {tuple(inputs.embed_weight.shape)}, the draft needs "
-                                f"{tuple(draft.embed_tokens.weight.shape)}")
-            draft.embed_tokens.weight.copy_(inputs.embed_weight)
-        if inputs.lm_head_weight is not None:
-            draft.lm_head.weight.copy_(inputs.lm_head_weight[target_ids.to(inputs.lm_head_weight.device)])
+    draft = PEagleDraft(**kwargs, num_layers=options.num_layers, num_depths=options.depths,
+                        mask_token_id=mask_token_of(options.mask_token_id, cfg))
+    copy_verifier_weights(draft, inputs.d2t, inputs.t2d, inputs.embed_weight, inputs.lm_head_weight)
     return draft
 
 

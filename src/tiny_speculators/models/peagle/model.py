@@ -32,16 +32,18 @@ import torch
 from torch import nn
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.model import (
+from tiny_speculators.models.eagle3.model import Attention, DecoderLayer, KVCache
+from tiny_speculators.models.layers import (
     MLP,
-    Attention,
-    DecoderLayer,
-    Eagle3Output,
-    KVCache,
+    DraftOutput,
     RMSNorm,
-    Rotary,
+    add_output_layers,
     check_draft_shape,
+    check_mask_token,
     init_weights,
+    layer_kwargs,
+    rope_or_default,
+    rotary_of,
 )
 
 __all__ = ["LlamaLayer", "PEagleDraft"]
@@ -108,9 +110,8 @@ class PEagleDraft(nn.Module):
                           num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads)
         if num_layers < 1 or num_depths < 1:
             raise UserError(f"num_layers and num_depths must be at least 1 (got {num_layers}, {num_depths})")
-        if not 0 <= mask_token_id < vocab_size:
-            raise UserError(f"mask_token_id {mask_token_id} is not a token id of the verifier (0..{vocab_size - 1})")
-        rope_parameters = dict(rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
+        check_mask_token(mask_token_id, vocab_size)
+        rope_parameters = rope_or_default(rope_parameters)
         target_hidden_size = target_hidden_size or hidden_size
         self.kwargs = dict(  # exactly what save_draft writes and load_draft rebuilds from
             vocab_size=vocab_size, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
@@ -131,19 +132,10 @@ class PEagleDraft(nn.Module):
         self.input_norm = RMSNorm(num_aux * target_hidden_size, rms_norm_eps) if norm_before_fc else None
         self.fc = nn.Linear(num_aux * target_hidden_size, hidden_size, bias=False)
         self.mask_hidden = nn.Parameter(torch.zeros(1, 1, num_aux * target_hidden_size))  # pre-fc, like aux states
-        shape = dict(hidden_size=hidden_size, intermediate_size=intermediate_size,
-                     num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
-                     head_dim=head_dim, rms_norm_eps=rms_norm_eps, attention_bias=attention_bias,
-                     layer_type=layer_type)
+        shape = dict(layer_kwargs(self.kwargs), layer_type=layer_type)
         self.layers = nn.ModuleList([DecoderLayer(**shape, norm_before_residual=norm_before_residual),
                                      *(LlamaLayer(**shape) for _ in range(num_layers - 1))])
-        self.norm = RMSNorm(hidden_size, rms_norm_eps)
-        self.lm_head = nn.Linear(hidden_size, draft_vocab_size, bias=False)
-        self.rotary = Rotary(head_dim, rope_parameters, max_position_embeddings)
-        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
-        t2d = torch.zeros(vocab_size, dtype=torch.bool)
-        t2d[:draft_vocab_size] = True
-        self.register_buffer("t2d", t2d)
+        add_output_layers(self)  # norm, lm_head, rotary, d2t, t2d
         self.reset_parameters()
 
     @torch.no_grad()
@@ -154,8 +146,7 @@ class PEagleDraft(nn.Module):
 
     def after_load(self, device: str | torch.device) -> None:
         """After weights were assigned into a meta-device build: rebuild RoPE buffers, re-freeze embeddings."""
-        self.rotary = Rotary(self.kwargs["head_dim"], self.kwargs["rope_parameters"],
-                             self.kwargs["max_position_embeddings"]).to(device)
+        self.rotary = rotary_of(self.kwargs).to(device)
         self.embed_tokens.weight.requires_grad_(bool(self.kwargs.get("train_embeddings", False)))
 
     def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
@@ -182,7 +173,7 @@ class PEagleDraft(nn.Module):
         caches: list[KVCache] | None = None,
         *,
         logits: bool = True,
-    ) -> Eagle3Output:
+    ) -> DraftOutput:
         """One forward over ``T`` new slots (depth-0 and/or mask slots).
 
         Args:
@@ -200,7 +191,7 @@ class PEagleDraft(nn.Module):
         x = self.layers[0](embeds, hidden_states, cos, sin, attention_mask, caches[0])  # (B, T, H)
         for layer, cache in zip(self.layers[1:], caches[1:], strict=True):
             x = layer(x, cos, sin, attention_mask, cache)
-        return Eagle3Output(logits=self.compute_logits(x) if logits else None, hidden_states=x)
+        return DraftOutput(logits=self.compute_logits(x) if logits else None, hidden_states=x)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids -> target-vocab ids (``i + d2t[i]``)."""

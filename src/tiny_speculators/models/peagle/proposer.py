@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from tiny_speculators.evaluate.sampling import SamplingParams, probs_from_logits, sample
+from tiny_speculators.evaluate.sampling import SamplingParams
 from tiny_speculators.models.eagle3.model import KVCache, to_target_logits
 from tiny_speculators.models.peagle.model import PEagleDraft
+from tiny_speculators.models.proposing import pick_tokens
 
 __all__ = ["PEagleProposer"]
 
@@ -74,12 +75,4 @@ class PEagleProposer:
         logits = self.draft.compute_logits(out.hidden_states[0, n - 1:]).float()  # (k, Vd)
         for c in self.caches:  # drop the mask slots; the verified slots stay as context
             c.crop(start + n)
-        draft, qs = [], []
-        for i in range(k):
-            if params.greedy:
-                draft.append(int(self.target_ids[int(torch.argmax(logits[i]))]))
-            else:
-                q = probs_from_logits(self.to_target_logits(logits[i]), params).cpu()
-                draft.append(sample(q, generator))
-                qs.append(q)
-        return draft, (torch.stack(qs) if qs else None)
+        return pick_tokens(logits, self.target_ids, self.to_target_logits, params, generator)

@@ -23,15 +23,20 @@ from typing import Any
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.builder import rope_parameters_of
+from tiny_speculators.models.eagle3.builder import layer_shape_of
 from tiny_speculators.models.eagle3.speculators import (
     SPECULATORS_SCHEMA_VERSION,
+    check_proposal,
+    layer_config,
     layer_rows,
+    normalize_state,
+    proposal_config,
+    speculative_tokens_of,
     transformer_layer_config,
     verifier_of,
 )
 from tiny_speculators.models.family import DraftFormat, ExportInfo
-from tiny_speculators.models.files import cast_state, dtype_name, read_json, require
+from tiny_speculators.models.files import cast_state, dtype_name, read_json
 
 CONFIG = "config.json"
 
@@ -59,22 +64,14 @@ def config(kwargs: Mapping[str, Any], info: ExportInfo) -> dict[str, Any]:
     if aux:
         cfg["eagle_aux_hidden_state_layer_ids"] = [int(i) for i in aux]
     cfg["transformer_layer_config"] = layer
-    cfg["speculators_config"] = {
-        "algorithm": "peagle",
-        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(info.speculative_tokens),
-                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-        "default_proposal_method": "greedy",
-        "verifier": {"name_or_path": info.verifier_name, "architectures": list(info.verifier_architectures)},
-    }
+    cfg["speculators_config"] = proposal_config("peagle", info.speculative_tokens, info.verifier_name,
+                                                info.verifier_architectures)
     cfg["dtype"] = cfg["torch_dtype"] = dtype_name(info.dtype)
     return cfg
 
 
 def write(draft, info: ExportInfo) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    if info.speculative_tokens < 1:
-        raise UserError(f"speculative_tokens must be at least 1, got {info.speculative_tokens}")
-    if not info.verifier_name:
-        raise UserError("the verifier's name_or_path is unknown: pass --verifier-name")
+    check_proposal(info.speculative_tokens, info.verifier_name)
     state = dict(draft.state_dict())
     if not draft.kwargs.get("train_embeddings", False):
         state.pop("embed_tokens.weight")
@@ -93,44 +90,32 @@ def read(directory: Path, raw: Mapping[str, Any], tensors: dict[str, torch.Tenso
     path = Path(directory) / CONFIG
     cfg = read_json(path)
     where = f"{path} (speculators P-EAGLE format)"
-    require(cfg, ["draft_vocab_size", "transformer_layer_config", "speculators_config"], where)
-    layer = cfg["transformer_layer_config"]
-    require(layer, ["vocab_size", "hidden_size", "intermediate_size", "num_attention_heads"],
-            f"{where} transformer_layer_config")
+    layer = layer_config(cfg, ["draft_vocab_size", "transformer_layer_config", "speculators_config"], where)
     mask = cfg.get("mask_token_id", layer.get("mask_token_id", cfg.get("ptd_token_id", cfg.get("pard_token"))))
     if mask is None:
         raise UserError(f"{where} has no mask_token_id (vLLM needs it for parallel drafting)")
     if layer.get("model_type", "llama") not in ("llama", "qwen3"):
         raise UserError(f"{where}: transformer_layer_config.model_type {layer.get('model_type')!r} is not supported")
-    state = {k.removeprefix("model."): v for k, v in tensors.items()
-             if k not in ("verifier_lm_head.weight", "verifier_norm.weight")}
+    state = normalize_state(tensors)
     if "mask_hidden" not in state:
         raise UserError(f"{directory} has no mask_hidden tensor: not a P-EAGLE draft vLLM could run")
-    hidden = int(layer["hidden_size"])
-    heads = int(layer["num_attention_heads"])
-    target_hidden = int(cfg.get("target_hidden_size") or hidden)
+    target_hidden = int(cfg.get("target_hidden_size") or layer["hidden_size"])
     aux = cfg.get("eagle_aux_hidden_state_layer_ids")
     num_aux = len(aux) if aux else state["fc.weight"].shape[1] // target_hidden
     state["mask_hidden"] = state["mask_hidden"].reshape(1, 1, -1)
     kwargs = dict(
-        vocab_size=int(layer["vocab_size"]), hidden_size=hidden, num_attention_heads=heads,
-        num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
-        head_dim=int(layer.get("head_dim") or hidden // heads), intermediate_size=int(layer["intermediate_size"]),
+        **layer_shape_of(layer),
         draft_vocab_size=int(cfg["draft_vocab_size"]), num_layers=int(layer.get("num_hidden_layers", 1)),
         mask_token_id=int(mask), num_depths=int(cfg.get("num_depths") or cfg.get("para_depths") or 4),
-        target_hidden_size=target_hidden, num_aux=num_aux, rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-        rope_parameters=rope_parameters_of(layer),
-        max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
-        attention_bias=bool(layer.get("attention_bias", False)), layer_type=layer.get("model_type", "llama"),
+        target_hidden_size=target_hidden, num_aux=num_aux, layer_type=layer.get("model_type", "llama"),
         norm_before_residual=bool(cfg.get("norm_before_residual", False)),  # vLLM's P-EAGLE default
         norm_before_fc=bool(cfg.get("norm_before_fc", False)),
         train_embeddings=bool(cfg.get("embed_requires_grad", False)) and "embed_tokens.weight" in tensors,
-        hidden_act=layer.get("hidden_act", "silu"), aux_layer_ids=[int(i) for i in aux] if aux else None,
+        aux_layer_ids=[int(i) for i in aux] if aux else None,
     )
     state = {k: v for k, v in state.items() if not k.startswith("layers.") or ".hidden_norm." not in k
              or k.startswith("layers.0.")}  # speculators may write unused hidden norms of layers >= 1
-    tokens = int(cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
-    return kwargs, state, {"verifier": verifier_of(cfg), "speculative_tokens": tokens}
+    return kwargs, state, {"verifier": verifier_of(cfg), "speculative_tokens": speculative_tokens_of(cfg)}
 
 
 def vllm_speculative_config(folder: str, k: int) -> dict[str, Any]:
