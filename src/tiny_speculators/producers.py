@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.serving import HOST, VllmServer, free_port
+from tiny_speculators.serving import HOST, VllmServer, check_port_free, free_port
 
 __all__ = ["CONNECTOR", "MooncakeMaster", "check_master", "import_mooncake_store", "kv_transfer_config",
-           "producer_server", "speculative_config", "store_config"]
+           "local_hostname", "producer_server", "speculative_config", "store_config"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,12 @@ CONNECTOR_MODULE = "mooncake_connector"
 SYSTEM_LIBS = "libibverbs1 libnl-3-200 libnl-route-3-200 librdmacm1"
 PRODUCER_SEGMENT_BYTES = 1 << 30  # store memory each producer lends: samples wait there until a rank fetches them
 TRAINER_BUFFER_BYTES = 256 << 20  # a trainer rank's local transfer buffer (it lends no store memory)
+
+
+def local_hostname() -> str:
+    """The address this machine's store client gives its peers: ``$MOONCAKE_LOCAL_HOSTNAME`` (set it to the
+    machine's IP when producers and trainers are on different machines), else 127.0.0.1."""
+    return os.environ.get("MOONCAKE_LOCAL_HOSTNAME", HOST)
 
 
 def import_mooncake_store() -> Any:
@@ -91,12 +97,12 @@ def speculative_config(layer_ids: list[int]) -> dict[str, Any]:
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
 
 
-def kv_transfer_config(master: str, local_hostname: str = HOST,
+def kv_transfer_config(master: str, hostname: str | None = None,
                        segment_bytes: int = PRODUCER_SEGMENT_BYTES) -> dict[str, Any]:
     """The producer's KV connector: our CPU-capable subclass of hs-connectors' Mooncake connector."""
+    store = store_config(master, hostname or local_hostname(), segment_bytes, segment_bytes // 2)
     return {"kv_connector": CONNECTOR, "kv_role": "kv_producer", "kv_connector_module_path": CONNECTOR_MODULE,
-            "kv_connector_extra_config": {"mooncake": store_config(master, local_hostname, segment_bytes,
-                                                                   segment_bytes // 2)}}
+            "kv_connector_extra_config": {"mooncake": store}}
 
 
 def producer_server(python: Path, verifier: str, layer_ids: list[int], master: str, *, log_path: Path,
@@ -148,7 +154,11 @@ class MooncakeMaster:
         binary = Path(store.__file__).resolve().parent / "mooncake_master"
         if not binary.is_file():
             raise UserError(f"the Mooncake wheel has no mooncake_master binary at {binary}")
-        self.port = self.port or free_port()
+        # mooncake_master reuses a taken port without a word (another master would answer for it): check first
+        if self.port is None:
+            self.port = free_port()
+        else:
+            check_port_free(self.port, option="Mooncake master port")
         cmd = [str(binary), "-rpc_address", HOST, "-rpc_port", str(self.port), "-metrics_host", HOST,
                "-metrics_port", str(free_port()), "-enable_http_metadata_server=false", "-logtostderr"]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -51,7 +51,8 @@ class Delivery:
     producer: str
     attempts: int
     failed: tuple[str, ...]
-    seconds: float
+    seconds: float  # from the first request to the sample in hand
+    store_seconds: float  # of which the transfer out of the Mooncake store (wait, get, delete)
 
 
 class ProducerPool:
@@ -59,20 +60,19 @@ class ProducerPool:
 
     def __init__(self, urls: list[str], master: str, *, n_layers: int, hidden_size: int, timeout: float,
                  rank: int = 0, threads: int = 4) -> None:
-        from tiny_speculators.producers import TRAINER_BUFFER_BYTES, check_master, import_mooncake_store, store_config
-        from tiny_speculators.serving import HOST
+        from tiny_speculators import producers as P
 
         if not urls:
             raise UserError("--producer vllm needs at least one producer (--producer-urls or --producers)")
         if not timeout > 0:
             raise UserError(f"--producer-timeout must be above 0 seconds, got {timeout}")
-        import_mooncake_store()
-        check_master(master)
+        P.import_mooncake_store()
+        P.check_master(master)
         from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
 
         # this rank lends no store memory: a sample waits in its producer's segment until fetched
-        self.store = MooncakeHiddenStatesStore(MooncakeStoreConfig(**store_config(master, HOST, 0,
-                                                                                  TRAINER_BUFFER_BYTES)))
+        config = P.store_config(master, P.local_hostname(), 0, P.TRAINER_BUFFER_BYTES)
+        self.store = MooncakeHiddenStatesStore(MooncakeStoreConfig(**config))
         try:
             self.store.setup()
         except RuntimeError as e:
@@ -127,7 +127,7 @@ class ProducerPool:
                 time.sleep(min(wait, remaining))
                 continue
             try:
-                hidden = self._ask(url, ids, remaining)
+                hidden, store_seconds = self._ask(url, ids, remaining)
             except (OSError, RuntimeError, ValueError, KeyError) as e:  # refused, reset, timed out, lost, 5xx
                 last_error = f"{url}: {_reason(e)}"
                 log.warning("producer %s failed (%s); asking another", url, _reason(e))
@@ -135,9 +135,10 @@ class ProducerPool:
                 self._mark(url, ok=False)
                 continue
             self._mark(url, ok=True)
-            return Delivery(hidden, url, len(failed) + 1, tuple(failed), time.monotonic() - start)
+            return Delivery(hidden, url, len(failed) + 1, tuple(failed), time.monotonic() - start, store_seconds)
 
-    def _ask(self, url: str, ids: list[int], timeout: float) -> torch.Tensor:
+    def _ask(self, url: str, ids: list[int], timeout: float) -> tuple[torch.Tensor, float]:
+        """The sample's hidden states from ``url`` and the seconds their transfer out of the store took."""
         body = json.dumps({"prompt": ids, "max_tokens": 1, "temperature": 0.0}).encode()
         request = urllib.request.Request(url + "/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
@@ -155,6 +156,7 @@ class ProducerPool:
             raise UserError(f"producer {url} answered without hidden states (no kv_transfer_params): start it with "
                             "the extract_hidden_states method and the Mooncake connector (see tiny_speculators."
                             "producers.producer_server)")
+        t0 = time.monotonic()
         try:
             sample = self.store.get_sample(manifest, timeout=min(timeout, 60.0))
         finally:
@@ -167,7 +169,7 @@ class ProducerPool:
             raise UserError(f"producer {url} extracts {hidden.shape[1]} layers of size {hidden.shape[2]}, this run "
                             f"needs {self.n_layers} of size {self.hidden_size}: start it with this run's layer ids "
                             "and verifier")
-        return hidden
+        return hidden, time.monotonic() - t0
 
 
 def _reason(e: BaseException) -> str:
@@ -232,7 +234,8 @@ class ProducerSource:
                 f.write(json.dumps({"sample": int(i), "tokens": int(d.hidden_states.shape[0]), "producer": d.producer,
                                     "attempts": d.attempts, "failed": list(d.failed),
                                     "bytes": d.hidden_states.numel() * d.hidden_states.element_size(),
-                                    "seconds": round(d.seconds, 4)}) + "\n")
+                                    "seconds": round(d.seconds, 4), "store_seconds": round(d.store_seconds, 4)})
+                        + "\n")
 
 
 @contextlib.contextmanager

@@ -248,7 +248,12 @@ def _train(info: D.DistInfo, opts: TrainOptions) -> dict[str, Any]:
         out.mkdir(parents=True, exist_ok=True)
     D.barrier(info)
     _seed_everything(opts.seed)
-    with contextlib.ExitStack() as engines:  # vLLM producers / a Mooncake master this run starts, always stopped
+    # vLLM producers / a Mooncake master this run starts are always stopped: on errors, Ctrl-C, and SIGTERM (what
+    # torchrun sends the other ranks when one fails), which otherwise ends the process without unwinding
+    from tiny_speculators.serving import sigterm_as_exit
+
+    guard = sigterm_as_exit() if opts.producer == "vllm" else contextlib.nullcontext()
+    with guard, contextlib.ExitStack() as engines:
         return _train_with(info, opts, resume_from, build_run(info, opts, get_family(opts.algorithm), engines))
 
 
