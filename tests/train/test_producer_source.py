@@ -262,3 +262,34 @@ def test_a_run_stops_the_master_and_producer_it_started(inputs, vllm_python, tmp
     master_cmd = (out / "logs" / "mooncake_master.log").read_text().splitlines()[0].split()
     with pytest.raises(UserError, match="no Mooncake master answers"):
         check_master(f"127.0.0.1:{master_cmd[master_cmd.index('-rpc_port') + 1]}")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_producer_starts_stops_it_and_the_master(inputs, vllm_python, tmp_path, sig):
+    """SIGTERM (torchrun stopping a rank) or Ctrl-C while the run waits for its producer: neither outlives it."""
+    out = tmp_path / "o"
+    cmd = [sys.executable, "-m", "tiny_speculators.cli", "train", "--verifier", "smollm2-135m", "--data",
+           str(inputs.prepared), "--online", "--producer", "vllm", "--producers", "1", "--vocab", str(inputs.vocab),
+           "--out", str(out), "--no-progress"]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # not SIG_IGN
+    producer_log = out / "logs" / "producer0.log"
+    try:
+        deadline = time.monotonic() + 120
+        while not (producer_log.exists() and len(producer_log.read_text().splitlines()) > 3):  # vLLM is booting
+            assert proc.poll() is None and time.monotonic() < deadline, "the producer did not start"
+            time.sleep(0.1)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, err[-2000:]
+    assert vllm_processes([server_port(producer_log)]) == []
+    master_cmd = (out / "logs" / "mooncake_master.log").read_text().splitlines()[0].split()
+    from tiny_speculators.producers import check_master
+
+    with pytest.raises(UserError, match="no Mooncake master answers"):
+        check_master(f"127.0.0.1:{master_cmd[master_cmd.index('-rpc_port') + 1]}")
