@@ -228,6 +228,24 @@ def test_no_producer_answering_within_the_timeout_stops_the_run(inputs, engines,
     assert f"producers {url}, master {engines.master.address}" in message and "\n" not in message
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_slow_producers_sample_is_asked_of_another(inputs, engines, tmp_path):
+    with socket.socket() as silent:  # accepts connections and never answers: the slowest producer there is
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        slow = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        start = time.monotonic()
+        train(verifier="smollm2-135m", data=inputs.prepared, online=True, producer="vllm",
+              producer_urls=[slow, engines.producer.url], mooncake_master=engines.master.address,
+              producer_timeout=15, vocab=inputs.vocab, out=tmp_path / "o", eval_fraction=0.0, max_steps=1,
+              batch_size=2, progress=False)
+    got = [json.loads(line) for line in (tmp_path / "o" / "logs" / "samples_rank0.jsonl").read_text().splitlines()]
+    assert [d["producer"] for d in got] == [engines.producer.url] * 2
+    assert [d["failed"] for d in got if d["failed"]] == [[slow]]  # the first request went there, and waited 5 s
+    assert 5 <= max(d["seconds"] for d in got) < 15 and time.monotonic() - start < 60
+
+
 def test_no_master_is_a_one_line_error(inputs, tmp_path, capsys):
     master = f"127.0.0.1:{free_port()}"
     rc = main(["train", "--verifier", "smollm2-135m", "--data", str(inputs.prepared), "--online", "--producer", "vllm",
@@ -266,7 +284,7 @@ def test_a_run_stops_the_master_and_producer_it_started(inputs, vllm_python, tmp
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_while_the_producer_starts_stops_it_and_the_master(inputs, vllm_python, tmp_path, sig):
     """SIGTERM (torchrun stopping a rank) or Ctrl-C while the run waits for its producer: neither outlives it."""
     out = tmp_path / "o"

@@ -7,10 +7,12 @@ equals :class:`~tiny_speculators.train.sources.OnlineSource`'s (aux = the inputs
 last layer's output before the final norm), so the loop cannot tell the sources apart.
 
 Requests are spread round-robin over the producers (each rank starts at its own); a producer that fails (refused,
-reset, an error answer, a sample lost in the store) is set aside for a growing pause and the sample is asked of
-the next one. The data plan stays the trainer's own, so every planned sample is trained on exactly once per epoch
-whichever producer answers, however often it is retried. A sample that no producer delivers within
-``timeout`` seconds stops the run with a one-line error. Each delivered sample is logged (``samples_rank*.jsonl``).
+reset, an error answer, a sample lost in the store) or is slow (no answer within a third of ``timeout``) is set
+aside for a growing pause and the sample is asked of the next one. (A slow producer may still finish the abandoned
+request: its sample then waits in the store until Mooncake's eviction reclaims it.) The data plan stays the
+trainer's own, so every planned sample is trained on exactly once per epoch whichever producer answers, however
+often it is retried. A sample that no producer delivers within ``timeout`` seconds stops the run with a one-line
+error. Each delivered sample is logged (``samples_rank*.jsonl``).
 
     torchrun --nproc-per-node 2 -m tiny_speculators.cli train --verifier smollm2-135m --data runs/prepared \
         --online --producer vllm --producers 1 --vocab runs/vocab --out runs/draft
@@ -41,6 +43,7 @@ from tiny_speculators.train.sources import _load_prepared_dataset, to_device
 log = logging.getLogger(__name__)
 
 MAX_PAUSE = 10.0  # seconds a failing producer is set aside at most before it is asked again
+ATTEMPTS = 3  # a request may take a third of --producer-timeout before the sample is asked of another producer
 
 
 @dataclass(frozen=True)
@@ -126,8 +129,8 @@ class ProducerPool:
             if wait > 0:
                 time.sleep(min(wait, remaining))
                 continue
-            try:
-                hidden, store_seconds = self._ask(url, ids, remaining)
+            try:  # a third of the budget per try: a slow producer leaves time to ask others
+                hidden, store_seconds = self._ask(url, ids, min(remaining, self.timeout / ATTEMPTS))
             except (OSError, RuntimeError, ValueError, KeyError) as e:  # refused, reset, timed out, lost, 5xx
                 last_error = f"{url}: {_reason(e)}"
                 log.warning("producer %s failed (%s); asking another", url, _reason(e))

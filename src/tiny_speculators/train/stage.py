@@ -109,7 +109,8 @@ def train(
             --mooncake-master; see tiny_speculators.producers); default: start --producers of them here.
         producers: how many vLLM producers to start on 127.0.0.1 when --producer-urls is not given.
         mooncake_master: HOST:PORT of a running Mooncake master; default: start one on 127.0.0.1.
-        producer_timeout: seconds a sample may take to arrive, over all producers and retries, before the run stops.
+        producer_timeout: seconds a sample may take to arrive, over all producers and retries, before the run stops;
+            a producer that has not answered within a third of it is set aside and the sample asked of another.
         vllm_venv: the vLLM environment the producers run from (default: $TINY_SPECULATORS_VLLM_VENV or
             ~/.cache/tiny-speculators/vllm-venv; built by scripts/vllm_env.sh when missing).
         algorithm: the draft family to train (models/<family>/); its own options go in the section of that name.
