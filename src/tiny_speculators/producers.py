@@ -41,7 +41,7 @@ PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugins"  # put on the prod
 CONNECTOR = "CpuMooncakeHiddenStatesConnector"
 CONNECTOR_MODULE = "mooncake_connector"
 SYSTEM_LIBS = "libibverbs1 libnl-3-200 libnl-route-3-200 librdmacm1"
-PRODUCER_SEGMENT_BYTES = 1 << 30  # store memory each producer lends: samples wait there until a rank fetches them
+PRODUCER_SEGMENT_BYTES = 1 << 30  # store memory each producer lends: samples wait in it until a rank fetches them
 TRAINER_BUFFER_BYTES = 256 << 20  # a trainer rank's local transfer buffer (it lends no store memory)
 
 

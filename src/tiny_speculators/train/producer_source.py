@@ -53,7 +53,8 @@ class Delivery:
     hidden_states: torch.Tensor
     producer: str
     attempts: int
-    failed: tuple[str, ...]
+    failed: tuple[str, ...]  # the producers asked before, in order
+    errors: tuple[str, ...]  # what each of them did wrong
     seconds: float  # from the first request to the sample in hand
     store_seconds: float  # of which the transfer out of the Mooncake store (wait, get, delete)
 
@@ -73,7 +74,7 @@ class ProducerPool:
         P.check_master(master)
         from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
 
-        # this rank lends no store memory: a sample waits in its producer's segment until fetched
+        # this rank lends no store memory: a sample waits in a producer's segment (the master picks which) until fetched
         config = P.store_config(master, P.local_hostname(), 0, P.TRAINER_BUFFER_BYTES)
         self.store = MooncakeHiddenStatesStore(MooncakeStoreConfig(**config))
         try:
@@ -118,13 +119,13 @@ class ProducerPool:
     def fetch_one(self, ids: list[int]) -> Delivery:
         start = time.monotonic()
         failed: list[str] = []
-        last_error = "no answer"
+        errors: list[str] = []
         while True:
             remaining = self.timeout - (time.monotonic() - start)
             if remaining <= 0:
                 raise UserError(f"no vLLM producer delivered a sample of {len(ids)} tokens within {self.timeout:g} s "
                                 f"(--producer-timeout); producers {', '.join(self.urls)}, master {self.master}; "
-                                f"last error: {last_error}")
+                                f"last error: {(errors or ['no answer'])[-1]}")
             url, wait = self._pick()
             if wait > 0:
                 time.sleep(min(wait, remaining))
@@ -132,13 +133,14 @@ class ProducerPool:
             try:  # a third of the budget per try: a slow producer leaves time to ask others
                 hidden, store_seconds = self._ask(url, ids, min(remaining, self.timeout / ATTEMPTS))
             except (OSError, RuntimeError, ValueError, KeyError) as e:  # refused, reset, timed out, lost, 5xx
-                last_error = f"{url}: {_reason(e)}"
+                errors.append(f"{url}: {_reason(e)}")
                 log.warning("producer %s failed (%s); asking another", url, _reason(e))
                 failed.append(url)
                 self._mark(url, ok=False)
                 continue
             self._mark(url, ok=True)
-            return Delivery(hidden, url, len(failed) + 1, tuple(failed), time.monotonic() - start, store_seconds)
+            return Delivery(hidden, url, len(failed) + 1, tuple(failed), tuple(errors), time.monotonic() - start,
+                            store_seconds)
 
     def _ask(self, url: str, ids: list[int], timeout: float) -> tuple[torch.Tensor, float]:
         """The sample's hidden states from ``url`` and the seconds their transfer out of the store took."""
@@ -235,7 +237,7 @@ class ProducerSource:
         with self.sample_log.open("a", encoding="utf-8") as f:
             for i, d in zip(indices, deliveries, strict=True):
                 f.write(json.dumps({"sample": int(i), "tokens": int(d.hidden_states.shape[0]), "producer": d.producer,
-                                    "attempts": d.attempts, "failed": list(d.failed),
+                                    "attempts": d.attempts, "failed": list(d.failed), "errors": list(d.errors),
                                     "bytes": d.hidden_states.numel() * d.hidden_states.element_size(),
                                     "seconds": round(d.seconds, 4), "store_seconds": round(d.store_seconds, 4)})
                         + "\n")
