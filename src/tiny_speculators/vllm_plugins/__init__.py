@@ -1,0 +1,1 @@
+"""Modules that run inside the vLLM environment (loaded by vLLM by module path), never imported by the project."""
