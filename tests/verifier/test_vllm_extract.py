@@ -170,3 +170,24 @@ def test_an_hf_extraction_is_not_resumed_by_vllm(extractions, venv, tmp_path):
     with pytest.raises(UserError, match=r"different settings \(backend: 'hf' there, 'vllm' now\)"):
         extract(data=extractions["prepared"], out=extractions["hf"], backend="vllm", vllm_venv=venv, **COMMON)
     assert json.loads((extractions["hf"] / "plan.json").read_text())["settings"]["backend"] == "hf"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_compact_layouts_from_vllm(extractions, venv, tmp_path):
+    """fp8-topk: the aux states quantized from vLLM's, the top-k targets from the verifier's own head."""
+    options = dict(COMMON, layout="fp8-topk", topk=8)
+    extract(data=extractions["prepared"], out=tmp_path / "vllm", backend="vllm", vllm_venv=venv, **options)
+    extract(data=extractions["prepared"], out=tmp_path / "hf", **options)
+    got, ref, full = (HiddenStateReader(p) for p in (tmp_path / "vllm", tmp_path / "hf", extractions["hf"]))
+    assert got.manifest["layout"] == "fp8-topk" and got.manifest["topk"] == 8
+    same_ids = total = 0
+    for i in range(len(ref)):
+        a, r, f = got[i], ref[i], full[i]["aux_hidden_states"]
+        step = f.reshape(len(f), -1, 576).abs().amax(-1).repeat_interleave(576, -1) * 2**-4  # one fp8 step, roughly
+        assert bool(((a["aux_hidden_states"] - f).abs() <= step + 1e-6).all())
+        torch.testing.assert_close(a["target_topk_logits"], r["target_topk_logits"], rtol=0, atol=1e-3)
+        torch.testing.assert_close(a["target_logsumexp"], r["target_logsumexp"], rtol=0, atol=1e-3)
+        same_ids += int((a["target_topk_ids"] == r["target_topk_ids"]).sum())
+        total += r["target_topk_ids"].numel()
+    assert same_ids >= 0.99 * total  # near-ties may swap places; the values above agree
