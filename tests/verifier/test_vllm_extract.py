@@ -191,3 +191,34 @@ def test_compact_layouts_from_vllm(extractions, venv, tmp_path):
         same_ids += int((a["target_topk_ids"] == r["target_topk_ids"]).sum())
         total += r["target_topk_ids"].numel()
     assert same_ids >= 0.99 * total  # near-ties may swap places; the values above agree
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_ctrl_c_while_vllm_starts_stops_all_of_it(extractions, venv, tmp_path):
+    """Ctrl-C once vLLM's engine core is forked (start-up is the longest phase): exit 130, no process left."""
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "tiny_speculators.cli", "extract", "--verifier", "smollm2-135m", "--data",
+            str(extractions["prepared"]), "--out", str(out), "--backend", "vllm", "--dtype", "float32", "--device",
+            "cpu", "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"),
+           "TINY_SPECULATORS_VLLM_VENV": str(venv)}
+    proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
+    log, deadline = out / "vllm-extract.log", time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        if log.is_file() and "(EngineCore pid=" in log.read_text(errors="replace"):
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the extraction ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted" in err, err[-2000:]
+    pids = {int(p) for p in re.findall(r"\((?:EngineCore|Worker)\w* pid=(\d+)\)", log.read_text())}
+    time.sleep(1.0)
+    assert pids and not [p for p in pids if _alive(p)]
+    assert not (out / ".vllm-scratch").exists() and not (out / "manifest.json").exists()

@@ -102,13 +102,13 @@ class VllmHiddenStates:
         python: the vLLM environment's interpreter.
         model: what vLLM loads (a local folder or hub id).
         aux_ids: the aux layer ids to store; id N (``num_layers``) is requested as well for the last state.
+            ``None``: plain prefill (no method, no files), the benchmark's baseline.
         num_layers: the verifier's number of decoder layers.
         dtype: vLLM's compute dtype, also the stored dtype.
         scratch: folder for the connector's per-sample files (emptied now and removed at the end).
         log_path: the worker's (vLLM's) log.
         make_sample: ``(records, i, aux (T, n_aux*H), last (T, H)) -> sample dict`` (the shared encoder).
         max_model_len, max_num_batched_tokens, enforce_eager, trust_remote_code, kv_cache_gb: engine settings.
-        layers: ``None`` = plain prefill (no extraction), for the benchmark.
     """
 
     def __init__(self, python: Path, model: str, aux_ids: list[int] | None, num_layers: int, dtype: str,
@@ -157,7 +157,7 @@ class VllmHiddenStates:
                                             env=self._env(), text=True, start_new_session=True)
             self._answer("starting")
         except BaseException:
-            self.close()
+            self.close(grace=0.0)  # Ctrl-C or a failed start: stop it now
             raise
         log.info("vLLM is ready")
         return self
