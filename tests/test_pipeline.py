@@ -269,3 +269,19 @@ def test_regenerate_backend_is_a_config_option(tmp_path):
     assert "backend" not in default.kwargs  # the stage's own default: in-process
     with pytest.raises(UserError, match="backend"):
         plan_pipeline({**raw, "regenerate": {"data": ["builtin:train"], "backend": "sglang"}})
+
+
+def test_extract_backend_is_a_config_option_and_part_of_the_stage_hash(tmp_path):
+    from tiny_speculators.pipeline import _stage_hash
+
+    raw = {"run_dir": str(tmp_path / "run"), "verifier": "smollm2-135m", "prepare": {"data": [str(PROMPTS)]},
+           "vocab": {}, "train": {}, "export": {}, "evaluate": {}}
+    stages = {}
+    for backend in (None, "hf", "vllm"):
+        section = {} if backend is None else {"backend": backend, "allow_untested_vllm": False}
+        stages[backend] = plan_pipeline({**raw, "extract": section}).stages["extract"]
+    assert "backend" not in stages[None].kwargs and stages["vllm"].kwargs["backend"] == "vllm"
+    hashes = {b: _stage_hash(s, "smollm2-135m", {u: "up" for u in s.upstream}) for b, s in stages.items()}
+    assert len(set(hashes.values())) == 3  # the output is meant to be equal, but a run records how it was made
+    with pytest.raises(UserError, match="backend"):
+        plan_pipeline({**raw, "extract": {"backend": "sglang"}})

@@ -35,7 +35,7 @@ from typing import IO, Any
 from tiny_speculators.errors import UserError
 
 __all__ = ["VllmServer", "build_vllm_env", "check_port_free", "clean_env", "default_vllm_venv", "free_port",
-           "sigterm_as_exit", "vllm_python"]
+           "sigterm_as_exit", "stop_process_group", "vllm_python"]
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,24 @@ def sigterm_as_exit() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def stop_process_group(process: subprocess.Popen, grace: float = 30.0) -> None:
+    """SIGTERM the group of ``process`` (started with ``start_new_session=True``: the leader and every process it
+    forked, e.g. vLLM's engine core), SIGKILL it after ``grace`` seconds; nothing of the group survives."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            process.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        # the leader is gone; make sure no child of the group survives it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        break
 
 
 def failure_reason(log_text: str) -> str | None:
@@ -285,19 +303,7 @@ class VllmServer:
         if process is not None:
             if process.poll() is None:
                 log.info("%s: stopping", self.name)
-            for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-                try:
-                    os.killpg(process.pid, sig)  # the group: api server + engine core processes
-                except ProcessLookupError:
-                    break
-                try:
-                    process.wait(timeout=wait)
-                except subprocess.TimeoutExpired:
-                    continue
-                # the leader is gone; make sure no child of the group survives it
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                break
+            stop_process_group(process, grace)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

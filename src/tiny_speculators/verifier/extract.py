@@ -6,8 +6,14 @@ checksummed safetensors shards with a manifest. Rerunning the same command resum
 shard; ``--world-size/--rank`` (or torchrun's RANK/WORLD_SIZE) split the shards between processes writing
 to the same folder; ``--verify DIR`` checks every shard of a finished extraction.
 
+Two backends compute the states and share everything else (plan, shard loop, writer, manifest):
+``--backend hf`` (default, the exact reference) runs the verifier in this process with ``transformers``;
+``--backend vllm`` has vLLM prefill the tokens with its ``extract_hidden_states`` method, from the separate
+vLLM environment (``scripts/vllm_env.sh``; see :mod:`.vllm_extract`), so anything vLLM serves can be extracted.
+
     tiny-speculators extract --data runs/prepared --out runs/extract            # verifier from the data summary
     tiny-speculators extract --verifier smollm2-135m --data runs/prepared --out runs/extract --layout fp8
+    tiny-speculators extract --data runs/prepared --out runs/extract-vllm --backend vllm
     tiny-speculators extract --verify runs/extract
 """
 
@@ -18,6 +24,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,12 +37,15 @@ from tiny_speculators.storage.reader import verify_extraction
 from tiny_speculators.storage.shards import ShardWriter
 from tiny_speculators.verifier.capture import capture_hidden_states, check_layer_ids, default_aux_layer_ids
 from tiny_speculators.verifier.describe import text_config
-from tiny_speculators.verifier.load import load_tokenizer, load_verifier, verifier_id
+from tiny_speculators.verifier.load import load_tokenizer, load_verifier, parse_dtype, verifier_id
 from tiny_speculators.verifier.modules import VerifierParts, find_parts
 
-__all__ = ["extract", "load_prepared_dir", "plan_shards", "token_batches"]
+__all__ = ["Source", "extract", "load_prepared_dir", "make_sample", "plan_shards", "token_batches"]
 
 log = logging.getLogger(__name__)
+
+# a backend: the records (input_ids, loss_mask lists) of each shard in turn -> that shard's samples, in order
+Source = Callable[[Iterable[dict[str, list]]], Iterator[list[dict[str, torch.Tensor]]]]
 
 
 def load_prepared_dir(data: Path):
@@ -108,11 +118,41 @@ def _check_records(records: dict[str, list], start: int, data: Path, vocab: int)
 
 
 @torch.inference_mode()
+def _topk_targets(head: Callable[[torch.Tensor], torch.Tensor], last: torch.Tensor, k: int, device: str):
+    """Top-k ids and logits and the logsumexp of all logits, per row of ``last`` (T, H) (pre-norm)."""
+    ids_k, logits_k, lse = [], [], []
+    for chunk in last.split(1024):
+        logits = head(chunk.to(device)).float()  # (c, V)
+        values, indices = logits.topk(k, dim=-1)
+        ids_k.append(indices.cpu())
+        logits_k.append(values.cpu())
+        lse.append(torch.logsumexp(logits, dim=-1).cpu())
+    return torch.cat(ids_k), torch.cat(logits_k), torch.cat(lse)
+
+
+def make_sample(records: dict[str, list], i: int, aux: torch.Tensor, last: torch.Tensor, layout: Layout,
+                store_dtype: torch.dtype, head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                device: str = "cpu") -> dict[str, torch.Tensor]:
+    """What a shard stores of sample ``i`` of ``records``, from its aux (T, n_aux*H) and last (T, H) states
+    (both backends end here); ``head`` (norm + lm_head) gives the top-k targets of the topk layouts."""
+    out = {"input_ids": torch.tensor(records["input_ids"][i], dtype=torch.long),
+           "loss_mask": torch.tensor(records["loss_mask"][i], dtype=torch.uint8),
+           "aux": aux.to("cpu", store_dtype)}
+    if layout.uses_topk:
+        assert head is not None
+        out["topk_ids"], out["topk_logits"], out["logsumexp"] = _topk_targets(head, last, layout.topk, device)
+    else:
+        out["last"] = last.to("cpu", store_dtype)
+    return out
+
+
+@torch.inference_mode()
 def _run_shard(model, parts: VerifierParts, records: dict[str, list], aux_ids: list[int], layout: Layout,
                device: str, max_tokens: int, store_dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
     """Forward the shard's samples in token-budget batches; per sample (in order) its stored tensors."""
     lengths = [len(x) for x in records["input_ids"]]
     results: list[dict[str, torch.Tensor] | None] = [None] * len(lengths)
+    head = lambda x: parts.lm_head(parts.norm(x))  # noqa: E731
     for batch in token_batches(lengths, max_tokens):
         width = lengths[batch[0]]
         ids = torch.zeros(len(batch), width, dtype=torch.long)
@@ -121,31 +161,19 @@ def _run_shard(model, parts: VerifierParts, records: dict[str, list], aux_ids: l
             ids[row, : lengths[i]] = torch.tensor(records["input_ids"][i])
             mask[row, : lengths[i]] = 1
         aux, last = capture_hidden_states(model, ids.to(device), mask.to(device), aux_ids, parts=parts)
-        topk = None
-        if layout.uses_topk:
-            valid = mask.to(device).bool()
-            rows = last[valid]  # (n_valid, H)
-            ids_k, logits_k, lse = [], [], []
-            for chunk in rows.split(1024):
-                logits = parts.lm_head(parts.norm(chunk)).float()  # (c, V)
-                values, indices = logits.topk(layout.topk, dim=-1)
-                ids_k.append(indices.cpu())
-                logits_k.append(values.cpu())
-                lse.append(torch.logsumexp(logits, dim=-1).cpu())
-            topk = (torch.cat(ids_k), torch.cat(logits_k), torch.cat(lse))
-            split = torch.tensor([lengths[i] for i in batch]).cumsum(0).tolist()
-        aux, last = aux.to("cpu", store_dtype), last.to("cpu", store_dtype)
         for row, i in enumerate(batch):
             n = lengths[i]
-            out = {"input_ids": ids[row, :n], "loss_mask": torch.tensor(records["loss_mask"][i], dtype=torch.uint8),
-                   "aux": aux[row, :n]}
-            if topk is None:
-                out["last"] = last[row, :n]
-            else:
-                a = split[row - 1] if row else 0
-                out["topk_ids"], out["topk_logits"], out["logsumexp"] = (t[a:a + n] for t in topk)
-            results[i] = out
+            results[i] = make_sample(records, i, aux[row, :n], last[row, :n], layout, store_dtype, head, device)
     return results  # type: ignore[return-value]
+
+
+def _hf_source(model, parts: VerifierParts, aux_ids: list[int], layout: Layout, device: str, max_tokens: int,
+               store_dtype: torch.dtype) -> Source:
+    def run(shards: Iterable[dict[str, list]]) -> Iterator[list[dict[str, torch.Tensor]]]:
+        for records in shards:
+            yield _run_shard(model, parts, records, aux_ids, layout, device, max_tokens, store_dtype)
+
+    return run
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -167,6 +195,49 @@ def _report(summary: dict[str, Any], title: str) -> None:
     Console(stderr=True).print(table)
 
 
+def _settings(verifier: str, model, parts: VerifierParts, aux_ids: list[int], dtype: str, store: Layout,
+              dataset, lengths: list[int], backend: str) -> dict[str, Any]:
+    """What decides the shards' contents (``plan.json``): a rerun with other settings is refused."""
+    config = text_config(model.config)
+    return {
+        "verifier": str(verifier), "verifier_id": verifier_id(verifier),
+        "verifier_revision": getattr(model.config, "_commit_hash", None),
+        "architectures": list(getattr(model.config, "architectures", None) or []),
+        "aux_layer_ids": aux_ids, "num_hidden_layers": parts.num_hidden_layers, "hidden_size": parts.hidden_size,
+        "vocab_size": int(getattr(config, "vocab_size", None) or parts.lm_head.weight.shape[0]),
+        "dtype": dtype, "layout": store.name, "topk": store.topk or None,
+        "layer_paths": {"layers": parts.layers_name, "norm": parts.norm_name, "lm_head": parts.lm_head_name},
+        # not the path: nodes may mount shared storage at different places
+        "dataset": {"fingerprint": getattr(dataset, "_fingerprint", None), "samples": len(lengths),
+                    "tokens": int(sum(lengths))},
+        "backend": backend,
+    }
+
+
+def _vllm_source(stack: contextlib.ExitStack, python: Path, source: str, verifier: str, aux_ids: list[int],
+                 parts: VerifierParts, store: Layout, dtype: str, device: str, out: Path, rank: int,
+                 max_model_len: int, max_tokens: int, enforce_eager: bool, trust_remote_code: bool) -> Source:
+    """Start the vLLM worker (stopped when ``stack`` closes) and return it as a source."""
+    from tiny_speculators.serving import sigterm_as_exit
+    from tiny_speculators.verifier.head import load_verifier_head
+    from tiny_speculators.verifier.vllm_extract import LOG_NAME, VllmHiddenStates
+
+    store_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+    head = None
+    if store.uses_topk:  # the top-k targets come from the verifier's own norm + lm_head, loaded alone
+        head = load_verifier_head(verifier, parse_dtype(dtype), trust_remote_code).target_head.to(device)
+
+    def sample(records: dict[str, list], i: int, aux: torch.Tensor, last: torch.Tensor) -> dict[str, torch.Tensor]:
+        return make_sample(records, i, aux, last, store, store_dtype, head, device)
+
+    suffix = "" if rank == 0 else f"-rank-{rank:05d}"
+    stack.enter_context(sigterm_as_exit())
+    return stack.enter_context(VllmHiddenStates(
+        python, source, aux_ids, parts.num_hidden_layers, dtype, out / f".vllm-scratch{suffix}",
+        out / LOG_NAME.format(suffix), sample, max_model_len=max_model_len, max_num_batched_tokens=max_tokens,
+        enforce_eager=enforce_eager, trust_remote_code=trust_remote_code))
+
+
 def extract(
     verifier: str | None = None,
     data: Path | None = None,
@@ -181,6 +252,10 @@ def extract(
     world_size: int | None = None,
     rank: int | None = None,
     verify: Path | None = None,
+    backend: Literal["hf", "vllm"] = "hf",
+    vllm_venv: Path | None = None,
+    allow_untested_vllm: bool = False,
+    enforce_eager: bool = True,
     trust_remote_code: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
@@ -192,15 +267,23 @@ def extract(
         out: output folder for shards, manifest.json and summary.json; rerunning resumes.
         layers: aux layer ids (id i = the input of layer i, HF hidden_states[i]); default [2, N//2, N-3].
         dtype: compute and storage dtype; auto = bfloat16 on CUDA, float32 on CPU.
-        device: cpu, cuda, cuda:1, ... or auto (CUDA when available).
+        device: cpu, cuda, cuda:1, ... or auto (CUDA when available); with backend vllm, where the top-k
+            layouts' head runs (vLLM picks its own device).
         layout: full = aux + last hidden state in dtype; fp8 = aux as float8 e4m3 with per-token scales;
             topk = top-k target logits (+ logsumexp) instead of the last hidden state; fp8-topk = both.
         topk: k for the topk layouts.
-        max_tokens_per_batch: token budget per forward pass (batch size x longest sequence, padding included).
+        max_tokens_per_batch: token budget per forward pass (batch size x longest sequence, padding included;
+            with backend vllm: vLLM's max_num_batched_tokens).
         shard_mb: approximate size of one shard file in MB.
         world_size: number of processes sharing the work (default: $WORLD_SIZE or 1).
         rank: this process's rank (default: $RANK or 0); shard k is written by rank (k mod world_size).
         verify: check every shard (sha256, shapes) of this finished extraction folder instead of extracting.
+        backend: hf = the verifier in this process (transformers; the exact reference); vllm = vLLM's
+            extract_hidden_states method, from the vLLM environment (scripts/vllm_env.sh), same output.
+        vllm_venv: the vLLM environment for backend vllm (default: $TINY_SPECULATORS_VLLM_VENV, else
+            ~/.cache/tiny-speculators/vllm-venv, built there on first use).
+        allow_untested_vllm: go on with a vLLM version outside the tested range (backend vllm).
+        enforce_eager: backend vllm: no torch.compile / CUDA graphs (a CPU engine is ready in ~30 s, not minutes).
         trust_remote_code: allow the verifier's own modeling code from the hub.
         progress: show a progress bar with tokens/s.
     """
@@ -221,8 +304,14 @@ def extract(
     if not verifier:
         raise UserError(f"{data}/summary.json names no verifier; pass --verifier")
     device, dtype = _resolve(device, dtype)
-    model, _ = load_verifier(verifier, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-                             with_tokenizer=False)
+    if backend == "vllm":  # first: a missing or untested vLLM fails before anything is loaded
+        from tiny_speculators.verifier.vllm_extract import verifier_skeleton, vllm_extract_python
+
+        vllm_py = vllm_extract_python(vllm_venv, out, allow_untested_vllm)
+        model, source = verifier_skeleton(verifier, trust_remote_code)  # weights stay with vLLM
+    else:
+        model, _ = load_verifier(verifier, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                                 with_tokenizer=False)
     parts = find_parts(model)
     aux_ids = check_layer_ids(layers if layers else default_aux_layer_ids(parts.num_hidden_layers),
                               parts.num_hidden_layers)
@@ -247,19 +336,7 @@ def extract(
     if not lengths:
         raise UserError(f"prepared dataset {data} has no records")
     plan = plan_shards(lengths, max(1, int(shard_mb * 2**20 / per_token)))
-    config = text_config(model.config)
-    settings = {
-        "verifier": str(verifier), "verifier_id": verifier_id(verifier),
-        "verifier_revision": getattr(model.config, "_commit_hash", None),
-        "architectures": list(getattr(model.config, "architectures", None) or []),
-        "aux_layer_ids": aux_ids, "num_hidden_layers": parts.num_hidden_layers, "hidden_size": hidden,
-        "vocab_size": int(getattr(config, "vocab_size", None) or parts.lm_head.weight.shape[0]),
-        "dtype": dtype, "layout": store.name, "topk": store.topk or None,
-        "layer_paths": {"layers": parts.layers_name, "norm": parts.norm_name, "lm_head": parts.lm_head_name},
-        # not the path: nodes may mount shared storage at different places
-        "dataset": {"fingerprint": getattr(dataset, "_fingerprint", None), "samples": len(lengths),
-                    "tokens": int(sum(lengths))},
-    }
+    settings = _settings(verifier, model, parts, aux_ids, dtype, store, dataset, lengths, backend)
     out.mkdir(parents=True, exist_ok=True)
     init_plan(out, settings, plan)
     done = done_shards(out)
@@ -270,35 +347,44 @@ def extract(
     if done:
         log.info("resuming: %d of %d shards already done", len(done), len(plan))
     todo_tokens = sum(plan[k]["tokens"] for k in mine)
-    log.info("extract: %s layers %s (%s, %s, layout %s) -> %s: rank %d/%d writes %d shard(s), %d tokens",
-             verifier, aux_ids, dtype, device, store.name, out, rank_, world, len(mine), todo_tokens)
+    log.info("extract (%s): %s layers %s (%s, %s, layout %s) -> %s: rank %d/%d writes %d shard(s), %d tokens",
+             backend, verifier, aux_ids, dtype, device, store.name, out, rank_, world, len(mine), todo_tokens)
     from tqdm.auto import tqdm
 
-    writer = ShardWriter(out, rank_, store, n_aux)
-    bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc=f"extract rank {rank_}",
-               disable=None if progress else True)
-    compute_started, tokens_done = time.perf_counter(), 0
-    try:
-        for n_done, k in enumerate(mine, 1):
-            start, end = plan[k]["start"], plan[k]["end"]
-            records = dataset[start:end]
-            _check_records(records, start, data, embed_vocab)
-            samples = _run_shard(model, parts, records, aux_ids, store, device, max_tokens_per_batch,
-                                 torch.float32 if dtype == "float32" else torch.bfloat16)
-            writer.submit(k, start, end, samples)
-            bar.update(plan[k]["tokens"])
-            tokens_done += plan[k]["tokens"]
-            elapsed = time.perf_counter() - compute_started
-            log.info("shard %d (%d/%d of this rank): %.0f tokens/s so far", k, n_done, len(mine),
-                     tokens_done / elapsed if elapsed > 0 else 0.0)
-        written = writer.close()
-    except BaseException:
-        with contextlib.suppress(Exception):
-            writer.close()  # keep the shards that are complete; the original error wins
-        raise
-    finally:
-        bar.close()
-    seconds = time.perf_counter() - compute_started
+    store_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+
+    def shard_records(k: int) -> dict[str, list]:
+        start, end = plan[k]["start"], plan[k]["end"]
+        records = dataset[start:end]
+        _check_records(records, start, data, embed_vocab)
+        return records
+
+    with contextlib.ExitStack() as stack:  # holds the vLLM worker, if any
+        if backend == "vllm" and mine:
+            run = _vllm_source(stack, vllm_py, source, verifier, aux_ids, parts, store, dtype, device, out, rank_,
+                               max(lengths) + 1, max_tokens_per_batch, enforce_eager, trust_remote_code)
+        else:
+            run = _hf_source(model, parts, aux_ids, store, device, max_tokens_per_batch, store_dtype)
+        writer = ShardWriter(out, rank_, store, n_aux)
+        bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc=f"extract rank {rank_}",
+                   disable=None if progress else True)
+        compute_started, tokens_done = time.perf_counter(), 0
+        try:
+            for n_done, (k, samples) in enumerate(zip(mine, run(shard_records(k) for k in mine), strict=True), 1):
+                writer.submit(k, plan[k]["start"], plan[k]["end"], samples)
+                bar.update(plan[k]["tokens"])
+                tokens_done += plan[k]["tokens"]
+                elapsed = time.perf_counter() - compute_started
+                log.info("shard %d (%d/%d of this rank): %.0f tokens/s so far", k, n_done, len(mine),
+                         tokens_done / elapsed if elapsed > 0 else 0.0)
+            written = writer.close()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                writer.close()  # keep the shards that are complete; the original error wins
+            raise
+        finally:
+            bar.close()
+        seconds = time.perf_counter() - compute_started
     manifest = merge_manifest(out)
     tokens = sum(e["tokens"] for e in written)
     nbytes = sum(e["bytes"] for e in written)
@@ -309,7 +395,8 @@ def extract(
         "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 and tokens else 0.0,
         "bytes_per_token": round(nbytes / tokens, 1) if tokens else round(float(per_token), 1),
         "shards_written": len(written), "shards_total": len(plan), "complete": manifest is not None,
-        "layout": store.name, "dtype": dtype, "device": device, "aux_layer_ids": aux_ids, "data": str(data),
+        "layout": store.name, "dtype": dtype, "device": device, "backend": backend, "aux_layer_ids": aux_ids,
+        "data": str(data),
     }
     if manifest is not None:
         summary.update({"total_samples": manifest["samples"], "total_tokens": manifest["tokens"],
