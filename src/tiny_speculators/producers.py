@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.serving import HOST, VllmServer, check_port_free, free_port
+from tiny_speculators.serving import HOST, VllmServer, check_port_free, free_port, stop_process_group
 
 __all__ = ["CONNECTOR", "MooncakeMaster", "check_master", "import_mooncake_store", "kv_transfer_config",
            "local_hostname", "producer_server", "speculative_config", "store_config"]
@@ -190,16 +189,7 @@ class MooncakeMaster:
         """SIGTERM the master's process group, SIGKILL it after ``grace`` seconds; idempotent."""
         process, self.process = self.process, None
         if process is not None:
-            for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-                try:
-                    os.killpg(process.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    process.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            stop_process_group(process, grace)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
