@@ -158,6 +158,36 @@ def stop_process_group(process: subprocess.Popen, grace: float = 30.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         break
+    _wait_group_gone(process.pid)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``, from /proc; where there is no /proc, whether the
+    group still has any member at all (``[pgid]``) or not (``[]``)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
+    members = []
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def _wait_group_gone(pgid: int, timeout: float = 10.0) -> None:
+    """SIGKILL takes effect asynchronously: wait until no member of the group runs any more (a loaded machine
+    takes a moment to tear down vLLM's engine core), at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while _group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def failure_reason(log_text: str) -> str | None:
