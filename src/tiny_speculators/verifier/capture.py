@@ -1,4 +1,4 @@
-"""Capture a verifier's EAGLE-3 hidden states with forward hooks on just the layers that are needed.
+"""Capture a verifier's hidden states for draft training with forward hooks on just the layers that are needed.
 
 ``aux`` holds the INPUTS of the aux layers (``hidden_states[i]`` in Hugging Face's
 ``output_hidden_states`` convention, and what vLLM's ``eagle_aux_hidden_state_layer_ids`` means),
@@ -28,9 +28,9 @@ __all__ = ["capture_hidden_states", "check_layer_ids", "default_aux_layer_ids"]
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's default aux layers: the inputs of layers 2, N//2 and N-3."""
+    """The default spread of aux layers (what extract stores unless told): the inputs of layers 2, N//2 and N-3."""
     if num_layers < 4:
-        raise UserError(f"a verifier with {num_layers} layers is too shallow for the default EAGLE-3 aux layers "
+        raise UserError(f"a verifier with {num_layers} layers is too shallow for the default aux layers "
                         "[2, N//2, N-3]; give the layer ids explicitly")
     return [2, num_layers // 2, num_layers - 3]
 
