@@ -1,8 +1,10 @@
 """Training recipes side by side on the embedded verifier: same data, same optimizer steps, same seed, one draft family.
 
-A recipe is ``LOSS/OPTIMIZER/NOISE[/WEIGHTS]``: ``LOSS`` is ``term[:weight]`` joined by ``+`` (``kl``,
+A recipe is ``LOSS/OPTIMIZER/NOISE[/WEIGHTS][/OVERRIDES]``: ``LOSS`` is ``term[:weight]`` joined by ``+`` (``kl``,
 ``ce:0.1+tv:0.9``, ``lk``; terms from ``models/losses.py``), ``OPTIMIZER`` ``adamw`` or ``muon``, ``NOISE`` the std
-of the Gaussian noise on the verifier's aux states, ``WEIGHTS`` ``decay`` (default) or ``dpace``. For each recipe:
+of the Gaussian noise on the verifier's aux states, ``WEIGHTS`` ``decay`` (default) or ``dpace``, ``OVERRIDES``
+other train options as ``key=value`` joined by ``,`` (YAML values; ``a.b=v`` nests: ``precision=bf16,lr=0.002``,
+``batch_tokens=1024,max_steps=810``, ``eagle3.decay=1.0``). For each recipe:
 train offline (a subprocess), export, evaluate with real speculative decoding on the held-out built-in prompts at
 k = 3 (``--ks``): held-out τ; plus train and validation accuracy per draft step and training seconds. Prints a
 markdown table, writes ``results.json`` and ``recipe.png`` into ``--work`` (a recipe already measured there is
@@ -37,14 +39,23 @@ DEFAULT_RECIPES = ["kl/adamw/0", "kl/muon/0", "kl/adamw/0.05", "kl/muon/0.05", "
 def parse_recipe(spec: str) -> dict:
     """``ce:0.1+tv:0.9/muon/0.05/dpace`` -> the train options it sets."""
     parts = spec.split("/")
+    overrides: dict = {}
+    if len(parts) > 3 and "=" in parts[-1]:
+        for item in parts.pop().split(","):
+            key, _, value = item.partition("=")
+            *outer, last = key.split(".")
+            node = overrides
+            for name in outer:
+                node = node.setdefault(name, {})
+            node[last] = yaml.safe_load(value)
     if not 3 <= len(parts) <= 4:
-        raise SystemExit(f"recipe {spec!r}: expected LOSS/OPTIMIZER/NOISE[/WEIGHTS], e.g. kl/adamw/0")
+        raise SystemExit(f"recipe {spec!r}: expected LOSS/OPTIMIZER/NOISE[/WEIGHTS][/OVERRIDES], e.g. kl/adamw/0")
     loss = {}
     for term in parts[0].split("+"):
         name, _, weight = term.partition(":")
         loss[name] = float(weight) if weight else 1.0
     return {"loss": loss, "optimizer": parts[1], "aux_noise_std": float(parts[2]),
-            "position_weights": parts[3] if len(parts) == 4 else "decay"}
+            "position_weights": parts[3] if len(parts) == 4 else "decay", **overrides}
 
 
 def train_recipe(run: Path, out: Path, recipe: dict, a) -> dict:
@@ -95,7 +106,7 @@ def main() -> None:
     a.work.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
     for spec, recipe in recipes.items():
-        tag = spec.replace("/", "_").replace(":", "").replace("+", "-")
+        tag = spec.replace("/", "_").replace(":", "").replace("+", "-").replace("=", "").replace(",", "-")
         if (a.work / f"{tag}.json").is_file():  # resume a partly measured benchmark
             results[spec] = json.loads((a.work / f"{tag}.json").read_text())
             continue
