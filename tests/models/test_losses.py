@@ -144,3 +144,34 @@ def test_bad_specs_name_the_problem(terms, match):
         LossSpec.from_mapping(terms)
     with pytest.raises(ValueError, match="dpace_alpha"):
         LossSpec.from_mapping({"kl": 1.0}, position_weights="dpace", dpace_alpha=2.0)
+
+
+@pytest.mark.parametrize("topk", [1, 2, 6])
+def test_sparse_topk_columns_equal_the_dense_ones(topk):
+    """Top-k targets with only kl / ce terms take the sparse path (k tokens per row, no [c, Vd] target tensor): the
+    same values and gradients as the dense renormalized distribution, rows without a draft token included."""
+    from tiny_speculators.models.losses import SparseLogp, draft_index, has_mass, row_columns
+
+    g = torch.Generator().manual_seed(topk)
+    draft = fixed_init(Eagle3Draft(**tiny_kwargs()))
+    cols = torch.arange(DRAFT_VOCAB) + draft.d2t
+    logits = 3 * torch.randn(N, VOCAB, generator=g)
+    values, ids = logits.topk(topk, dim=-1)
+    ids[0] = torch.tensor([i for i in range(VOCAB) if i not in set(cols.tolist())][:topk])  # no draft token
+    targets = TopKTargets(ids, values, VOCAB)
+    argmax_d, dense = targets.chunk(0, N, cols)
+    argmax_s, sparse = targets.chunk(0, N, cols, sparse=True)
+    assert isinstance(sparse, SparseLogp) and sparse.ids.shape == (N, topk)
+    assert torch.equal(argmax_d, argmax_s) and torch.equal(has_mass(dense), has_mass(sparse))
+    assert not has_mass(sparse)[0]
+    tid = draft_index(cols, VOCAB)[argmax_d]
+    x = torch.randn(N, DRAFT_VOCAB, generator=g)
+    xd, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    a = row_columns(F.log_softmax(xd, -1), dense, tid, ("kl", "ce"))
+    b = row_columns(F.log_softmax(xs, -1), sparse, tid, ("kl", "ce"))
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    (a * torch.tensor([1.0, 0.3])).sum().backward()
+    (b * torch.tensor([1.0, 0.3])).sum().backward()
+    torch.testing.assert_close(xd.grad, xs.grad, atol=1e-7, rtol=1e-5)
+    with pytest.raises(ValueError, match="dense"):
+        row_columns(F.log_softmax(x, -1), sparse, tid, ("tv",))

@@ -24,6 +24,8 @@ gradient through the weights: the derivative of the smoothed expected acceptance
 
 Memory: :func:`chunked_step_losses` walks target rows in chunks like EAGLE-3's KL always did: each chunk's verifier
 distribution once, each (chunk, step) draft-logit block recomputed in backward, so no ``[K, N, V]`` tensor exists.
+With top-k targets and only ``kl`` / ``ce`` terms, the verifier's side stays sparse (:class:`SparseLogp`: its k
+tokens per row): no ``[c, V]`` target tensor and no elementwise pass over one.
 
     spec = LossSpec.from_mapping({"ce": 0.1, "tv": 0.9})
     out = chunked_step_losses(draft, hidden, valid, targets, spec, decay=0.8)   # out.weighted [K], out.correct
@@ -44,8 +46,9 @@ LOSSES = ("kl", "rkl", "jsd", "tv", "ce", "lk")
 LK_ETA = 3.0
 LOGP_FLOOR = -30.0
 
-__all__ = ["LOSSES", "DenseTargets", "LossSpec", "StepLosses", "TargetSource", "TopKTargets", "chunked_step_losses",
-           "combine_terms", "dpace_weights", "row_columns", "rowwise_losses"]
+__all__ = ["LOSSES", "DenseTargets", "LossSpec", "SparseLogp", "StepLosses", "TargetSource", "TopKTargets",
+           "chunked_step_losses", "combine_terms", "dpace_weights", "row_columns", "rowwise_losses"]
+SPARSE_COLUMNS = frozenset({"kl", "ce"})  # the columns a sparse (top-k) verifier distribution can give
 
 
 @dataclass(frozen=True)
@@ -100,10 +103,32 @@ class LossSpec:
                 "dpace_alpha": self.dpace_alpha}
 
 
+@dataclass(frozen=True)
+class SparseLogp:
+    """The verifier's draft-vocab log-probs of its top-k tokens only: ``ids [c, k]`` draft ids (-1: outside the draft
+    vocab) and ``logp [c, k]`` fp32, renormalized over the kept tokens (``-inf`` where not kept); every other draft
+    token has probability 0. Row-indexable like the dense ``[c, Vd]`` tensor it stands for."""
+
+    ids: torch.Tensor
+    logp: torch.Tensor
+
+    def __getitem__(self, rows: torch.Tensor) -> SparseLogp:
+        return SparseLogp(self.ids[rows], self.logp[rows])
+
+
+def has_mass(target_logp: torch.Tensor | SparseLogp) -> torch.Tensor:
+    """``[c]`` rows where the verifier has mass on the draft vocab."""
+    if isinstance(target_logp, SparseLogp):
+        return (target_logp.ids >= 0).any(dim=-1)
+    return torch.isfinite(target_logp).any(dim=-1)
+
+
 class TargetSource(Protocol):
-    def chunk(self, start: int, stop: int, draft_cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def chunk(self, start: int, stop: int, draft_cols: torch.Tensor,
+              sparse: bool = False) -> tuple[torch.Tensor, torch.Tensor | SparseLogp]:
         """Rows ``start:stop`` -> (verifier argmax over the full vocab ``[c]``, log-probs on the draft vocab
-        ``[c, Vd]`` (fp32), where ``draft_cols[i]`` is draft id i's target id)."""
+        ``[c, Vd]`` (fp32), where ``draft_cols[i]`` is draft id i's target id). ``sparse``: a :class:`SparseLogp`
+        instead where the source has one (top-k); a dense source ignores it."""
         ...
 
     def rows(self, index: torch.Tensor, draft_cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +146,8 @@ class DenseTargets:
         logits = (rows if self.head is None else self.head(rows)).float()  # (c, V)
         return logits.argmax(dim=-1), F.log_softmax(logits[:, draft_cols], dim=-1)
 
-    def chunk(self, start: int, stop: int, draft_cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def chunk(self, start: int, stop: int, draft_cols: torch.Tensor,
+              sparse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         return self._dist(self.source[start:stop], draft_cols)
 
     def rows(self, index: torch.Tensor, draft_cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +178,22 @@ class TopKTargets:
         empty = ~keep.any(dim=1)  # no draft token in the top-k: all -inf (log_softmax gave nan)
         return argmax, logp.masked_fill(empty[:, None], float("-inf"))
 
-    def chunk(self, start: int, stop: int, draft_cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sparse(self, ids: torch.Tensor, logits: torch.Tensor,
+                draft_cols: torch.Tensor) -> tuple[torch.Tensor, SparseLogp]:
+        if self._draft_index is None:
+            self._draft_index = draft_index(draft_cols, self.vocab_size)
+        ids, logits = ids.long(), logits.float()
+        argmax = ids.gather(1, logits.argmax(dim=1, keepdim=True)).squeeze(1)
+        draft_ids = self._draft_index[ids]  # (c, k)
+        kept = logits.masked_fill(draft_ids < 0, float("-inf"))
+        norm = torch.logsumexp(kept, dim=1, keepdim=True)  # (c, 1), -inf for a row with no draft token
+        logp = torch.where(draft_ids >= 0, kept - norm, float("-inf"))  # (c, k)
+        return argmax, SparseLogp(draft_ids, logp)
+
+    def chunk(self, start: int, stop: int, draft_cols: torch.Tensor,
+              sparse: bool = False) -> tuple[torch.Tensor, torch.Tensor | SparseLogp]:
+        if sparse:
+            return self._sparse(self.ids[start:stop], self.logits[start:stop], draft_cols)
         return self._dist(self.ids[start:stop], self.logits[start:stop], draft_cols)
 
     def rows(self, index: torch.Tensor, draft_cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,11 +207,13 @@ def draft_index(draft_cols: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return index
 
 
-def row_columns(logq: torch.Tensor, target_logp: torch.Tensor, target_draft_id: torch.Tensor,
+def row_columns(logq: torch.Tensor, target_logp: torch.Tensor | SparseLogp, target_draft_id: torch.Tensor,
                 columns: tuple[str, ...]) -> torch.Tensor:
     """``[n, C]`` per-row values of ``columns`` from draft log-probs ``logq [n, Vd]``, the verifier's draft-vocab
     log-probs ``target_logp [n, Vd]`` (``-inf`` where it has no mass) and its argmax as a draft id ``[n]`` (-1: outside
-    the draft vocab)."""
+    the draft vocab). A :class:`SparseLogp` gives the same ``kl`` and ``ce`` from its k tokens per row."""
+    if isinstance(target_logp, SparseLogp):
+        return _sparse_columns(logq, target_logp, target_draft_id, columns)
     p = target_logp.exp()
     has = (p > 0).any(dim=-1)
     zero = torch.zeros_like(logq)
@@ -193,6 +236,24 @@ def row_columns(logq: torch.Tensor, target_logp: torch.Tensor, target_draft_id: 
         else:
             raise ValueError(f"unknown loss column {name!r}")
         out.append(torch.where(has, v, v.new_zeros(())))
+    return torch.stack(out, dim=1)
+
+
+def _sparse_columns(logq: torch.Tensor, target: SparseLogp, target_draft_id: torch.Tensor,
+                    columns: tuple[str, ...]) -> torch.Tensor:
+    kept = target.ids >= 0  # (n, k)
+    out = []
+    for name in columns:
+        if name == "kl":  # sum over the verifier's kept tokens of p (log p - log q); the others have p = 0
+            picked = logq.gather(1, target.ids.clamp(min=0))  # (n, k)
+            p = torch.where(kept, target.logp.exp(), 0.0)
+            v = (p * (torch.where(kept, target.logp, 0.0) - picked)).sum(-1)
+            out.append(torch.where(kept.any(dim=-1), v, v.new_zeros(())))
+        elif name == "ce":
+            picked = logq.gather(1, target_draft_id.clamp(min=0)[:, None]).squeeze(1)
+            out.append(torch.where(target_draft_id >= 0, -picked, picked.new_zeros(())))
+        else:
+            raise ValueError(f"loss column {name!r} needs the dense verifier distribution")
     return torch.stack(out, dim=1)
 
 
@@ -262,6 +323,7 @@ def chunked_step_losses(draft, hidden: list[torch.Tensor], valid: torch.Tensor, 
     cols_of_draft = _draft_cols(draft, device)
     index = draft_index(cols_of_draft, draft.t2d.numel())
     columns = spec.columns
+    sparse = set(columns) <= SPARSE_COLUMNS  # top-k targets then stay [c, k] (a dense source ignores it)
     parts: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in range(steps)]
     correct = torch.zeros(steps, n, dtype=torch.bool, device=device)
     for start in range(0, n, chunk_size):
@@ -276,7 +338,7 @@ def chunked_step_losses(draft, hidden: list[torch.Tensor], valid: torch.Tensor, 
         if not any(bool(u.any()) for u in users):
             continue
         with torch.no_grad():  # argmax over the FULL target vocab; (c, Vd) log-probs renormalized on the draft vocab
-            target_argmax, target_logp = targets.chunk(start, stop, cols_of_draft)
+            target_argmax, target_logp = targets.chunk(start, stop, cols_of_draft, sparse=sparse)
             target_draft = index[target_argmax]
         for k in range(steps):
             keep = users[k]
@@ -285,7 +347,7 @@ def chunked_step_losses(draft, hidden: list[torch.Tensor], valid: torch.Tensor, 
             anchors = rows[keep] - k - 1
             tlp = target_logp[keep]
             cols, pred = _run_block(draft, hidden[k][anchors], tlp, target_draft[keep], columns, checkpoint)
-            parts[k].append((anchors, cols, torch.isfinite(tlp).any(dim=-1)))
+            parts[k].append((anchors, cols, has_mass(tlp)))
             correct[k, anchors] = draft.to_target_ids(pred) == target_argmax[keep]
     combined: list[torch.Tensor | None] = [None] * steps
     anchors_of: list[torch.Tensor | None] = [None] * steps
