@@ -232,6 +232,8 @@ def main() -> None:
         "loss_implementation", "ttt_steps", "ttt_step_loss_decay", "per_position_loss_weight", "norm_before_fc",
         "norm_before_residual", "norm_output", "fc_norm", "embed_requires_grad", "sliding_window",
         "draft_attn_impl", "total_seq_len", "hidden_states_dtype", "train_data_ratio", "seed")}
+    if recipe["scheduler_warmup_steps"] is None and recipe["scheduler_warmup_ratio"] is None:
+        recipe["scheduler_warmup_steps"] = summary["global_step"] // 100  # speculators' default: 1% of the steps
     results = {
         "peer": PEER, "torch": summary["torch_version"], "run": str(a.run), "hidden_states": str(a.hidden_states),
         "acceptance_length": ev["acceptance_length"], "per_position_acceptance": ev["per_position_acceptance"],
