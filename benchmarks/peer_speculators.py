@@ -26,6 +26,13 @@ is then evaluated by ``tiny-speculators evaluate`` on the held-out built-in prom
    greedy fp32; reused when already run with the same settings).
 5. ``<work>/results.json`` and a one-line summary.
 
+What still differs from our run, by design (speculators' recipe, recorded under ``recipe`` in results.json): its
+draft normalizes the fc input and the fed-back state (``norm_before_fc``, ``norm_output``, ``norm_before_residual``
+all on); it reads fp32 aux states (ours: fp8) and a KL to the verifier's distribution renormalized over the draft
+vocabulary (ours: top-64 targets over the full vocabulary); Muon (2-D matrices) + AdamW, linear decay to 0 after
+1% warmup (ours: AdamW, cosine, 10 warmup steps); TTT steps weighted equally (ours: 0.8 decay); its loss mask
+counts the prediction of token t+1 when token t is supervised (ours: when t+1 is), across packed documents.
+
     python benchmarks/peer_speculators.py --run /work/exp14/run-g128-e9 \
         --hidden-states /work/exp14/peers/extract-full --steps 405 --batch-tokens 2048 \
         --work /work/exp14/peers/speculators
