@@ -28,10 +28,11 @@ is then evaluated by ``tiny-speculators evaluate`` on the held-out built-in prom
 
 What still differs from our run, by design (speculators' recipe, recorded under ``recipe`` in results.json): its
 draft normalizes the fc input and the fed-back state (``norm_before_fc``, ``norm_output``, ``norm_before_residual``
-all on); it reads fp32 aux states (ours: fp8) and a KL to the verifier's distribution renormalized over the draft
-vocabulary (ours: top-64 targets over the full vocabulary); Muon (2-D matrices) + AdamW, linear decay to 0 after
-1% warmup (ours: AdamW, cosine, 10 warmup steps); TTT steps weighted equally (ours: 0.8 decay); its loss mask
-counts the prediction of token t+1 when token t is supervised (ours: when t+1 is), across packed documents.
+all on); it reads fp32 aux states (ours: fp8) and a KL to the verifier's full distribution renormalized over the
+draft vocabulary (ours: its top-64 tokens, renormalized over the draft vocabulary); Muon (2-D matrices) + AdamW,
+linear decay to 0 after 1% warmup (ours: AdamW, cosine, min(10, steps/10) warmup steps in benchmarks/recipe.py);
+TTT steps weighted equally (ours: 0.8 decay); its loss mask counts the prediction of token t+1 when token t is
+supervised (ours: when t+1 is), across packed documents.
 
     python benchmarks/peer_speculators.py --run /work/exp14/run-g128-e9 \
         --hidden-states /work/exp14/peers/extract-full --steps 405 --batch-tokens 2048 \
