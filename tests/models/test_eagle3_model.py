@@ -275,3 +275,32 @@ def test_save_load_round_trip(tmp_path, tiny_draft):
     assert half.fc.weight.dtype == torch.bfloat16 and half.d2t.dtype == torch.long and half.t2d.dtype == torch.bool
     with pytest.raises(UserError):
         load_draft(tmp_path / "missing")
+
+
+def test_norm_output_feeds_back_the_post_norm_state():
+    """speculators' ``norm_output`` (its EAGLE-3 default): same logits as the pre-norm draft, but the state it
+    returns and feeds back is ``norm(h)``; the flag survives the speculators format both ways."""
+    from tiny_speculators.models.eagle3.speculators import draft_kwargs, speculators_config
+
+    kw = tiny_kwargs(norm_before_fc=True)
+    plain = fixed_init(Eagle3Draft(**kw))
+    normed = Eagle3Draft(**{**kw, "norm_output": True})
+    normed.load_state_dict(plain.state_dict())
+    sd = {k: v.detach() for k, v in plain.state_dict().items()}
+    eps = kw["rms_norm_eps"]
+    ids, aux, pos = _inputs()
+    with torch.no_grad():
+        g = normed.fuse(aux)
+        out = normed(ids, g, pos)
+        ref_logits, ref_prenorm = reference_forward(sd, kw, ids, reference_fuse(sd, kw, aux), pos)
+        torch.testing.assert_close(out.logits, ref_logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.hidden_states, _rms(ref_prenorm, sd["norm.weight"], eps), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(normed.compute_logits(out.hidden_states), ref_logits, atol=1e-5, rtol=1e-5)
+        ids2 = torch.roll(ids, 1, dims=1)
+        out2 = normed(ids2, out.hidden_states, pos + 1)
+        ref2, _ = reference_forward(sd, kw, ids2, _rms(ref_prenorm, sd["norm.weight"], eps), pos + 1)
+        torch.testing.assert_close(out2.logits, ref2, atol=1e-5, rtol=1e-5)
+    cfg = speculators_config(normed.kwargs, aux_layer_ids=[2, 4, 5], verifier={"name_or_path": "x"})
+    assert cfg["norm_output"] is True and draft_kwargs(cfg)["norm_output"] is True
+    assert draft_kwargs(speculators_config(plain.kwargs, aux_layer_ids=None, verifier={"name_or_path": "x"}))[
+        "norm_output"] is False

@@ -164,6 +164,8 @@ class Eagle3Draft(nn.Module):
         norm_before_residual: residual is ``hidden_norm(h)`` instead of ``h`` (vLLM flag).
         norm_before_fc: one RMSNorm (``input_norm``) over the whole ``num_aux * Ht`` input of ``fc``.
         fc_norm: one RMSNorm per aux chunk (``fc_norm.{i}``) before ``fc`` (EAGLE 3.1).
+        norm_output: the step's output is ``norm(h)``: that post-norm state is fed back to the next step and
+            ``lm_head`` reads it as is (speculators' ``norm_output``, its EAGLE-3 default since 0.9).
         train_embeddings: leave ``embed_tokens`` trainable (frozen by default).
         hidden_act: only "silu" (gated SiLU MLP) is supported.
         aux_layer_ids: the verifier layers whose inputs are fused (``num_aux`` of them; None = not recorded).
@@ -189,6 +191,7 @@ class Eagle3Draft(nn.Module):
         norm_before_residual: bool = False,
         norm_before_fc: bool = False,
         fc_norm: bool = False,
+        norm_output: bool = False,
         train_embeddings: bool = False,
         hidden_act: str = "silu",
         aux_layer_ids: list[int] | None = None,
@@ -205,11 +208,12 @@ class Eagle3Draft(nn.Module):
             rms_norm_eps=rms_norm_eps, rope_parameters=rope_parameters,
             max_position_embeddings=max_position_embeddings, attention_bias=attention_bias, layer_type=layer_type,
             norm_before_residual=norm_before_residual, norm_before_fc=norm_before_fc, fc_norm=fc_norm,
-            train_embeddings=train_embeddings, hidden_act=hidden_act,
+            norm_output=norm_output, train_embeddings=train_embeddings, hidden_act=hidden_act,
             aux_layer_ids=None if aux_layer_ids is None else [int(i) for i in aux_layer_ids],
         )
         self.hidden_size, self.draft_vocab_size, self.num_aux = hidden_size, draft_vocab_size, num_aux
         self.target_hidden_size = target_hidden_size
+        self.norm_output = norm_output
 
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
         self.embed_tokens.weight.requires_grad_(train_embeddings)
@@ -242,8 +246,8 @@ class Eagle3Draft(nn.Module):
         return self.fc(x)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Pre-norm output ``[..., H]`` -> draft-vocab logits ``[..., draft_vocab]``."""
-        return self.lm_head(self.norm(hidden_states))
+        """A step's output ``[..., H]`` (pre-norm; post-norm with ``norm_output``) -> logits ``[..., draft_vocab]``."""
+        return self.lm_head(hidden_states if self.norm_output else self.norm(hidden_states))
 
     def forward(
         self,
@@ -270,6 +274,8 @@ class Eagle3Draft(nn.Module):
         embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)  # (B, T, H)
         cos, sin = self.rotary(position_ids, hidden_states.dtype)
         out = self.layers[0](embeds, hidden_states, cos, sin, attention_mask, cache)  # (B, T, H)
+        if self.norm_output:
+            out = self.norm(out)  # (B, T, H), fed back as it is
         return Eagle3Output(logits=self.compute_logits(out) if logits else None, hidden_states=out)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,8 @@ def check_exportable(kwargs: Mapping[str, Any]) -> None:
         unsupported.append("norm_before_fc")
     if kwargs.get("fc_norm"):
         unsupported.append("fc_norm")
+    if kwargs.get("norm_output"):
+        unsupported.append("norm_output")
     if unsupported:
         raise UserError(f"SGLang's {ARCHITECTURE} cannot run a draft with {', '.join(unsupported)}; "
                         "export it with --format speculators instead")

@@ -102,7 +102,7 @@ def speculators_config(
         "norm_before_residual": bool(kwargs.get("norm_before_residual", False)),
         "norm_before_fc": bool(kwargs.get("norm_before_fc", False)),
         "fc_norm": bool(kwargs.get("fc_norm", False)),
-        "norm_output": False,
+        "norm_output": bool(kwargs.get("norm_output", False)),
         "embed_requires_grad": bool(kwargs.get("train_embeddings", False)),
         "tie_word_embeddings": False,
     }
@@ -167,8 +167,6 @@ def read_config(directory: Path) -> dict[str, Any]:
     if int(layer.get("num_hidden_layers", 1)) != 1:
         raise UserError(f"{where}: drafts with {layer['num_hidden_layers']} decoder layers are not supported "
                         "(EAGLE-3 drafts here have exactly one)")
-    if cfg.get("norm_output"):
-        raise UserError(f"{where}: norm_output drafts (post-norm hidden state fed back) are not supported")
     if layer.get("model_type", "llama") not in LAYER_ARCHITECTURES:
         raise UserError(f"{where}: transformer_layer_config.model_type {layer.get('model_type')!r} is not "
                         f"supported (use one of {sorted(LAYER_ARCHITECTURES)})")
@@ -196,6 +194,7 @@ def draft_kwargs(cfg: Mapping[str, Any], fc_in_features: int | None = None) -> d
         norm_before_residual=bool(cfg.get("norm_before_residual", True)),
         norm_before_fc=bool(cfg.get("norm_before_fc", False)),
         fc_norm=bool(cfg.get("fc_norm", False)),
+        norm_output=bool(cfg.get("norm_output", False)),
         train_embeddings=bool(cfg.get("embed_requires_grad", False)),
     )
 
