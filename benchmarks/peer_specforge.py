@@ -28,12 +28,17 @@ SpecForge's ``TrainingConfig`` default (see :func:`run_config`): batch 1 sample 
 2048; except ``ttt_length`` 3 (its default is 7; ours is 3), fp32 (``torch_dtype``; its default bf16), ``sdpa``
 attention (its default flex_attention needs a compiled GPU kernel) and seed 0 (its default 42).
 
-CPU patches (all in ``benchmarks/peer_specforge_driver.py``, which runs inside the peer venv):
-``SPECFORGE_DEVICE=cpu`` (SpecForge's own device switch; it then uses a 1-process gloo group),
-``TORCHDYNAMO_DISABLE=1`` (its ``@torch.compile`` rotary/norm helpers run eagerly: same math, no inductor build on
-2 cores), and ``TargetHead`` kept in the configured dtype (``TargetHead.from_pretrained`` hard-codes bf16, which
-cannot multiply our fp32 hidden states). The verifier is shown to SpecForge through a folder of symlinks plus a
+CPU patches: ``SPECFORGE_DEVICE=cpu`` (SpecForge's own device switch: a 1-process gloo group),
+``TORCHDYNAMO_DISABLE=1`` (its ``@torch.compile`` helpers run eagerly: same math, no inductor build on 2 cores),
+``training.fsdp_sharding: NO_SHARD`` (a config value: DDP instead of FSDP, which refuses CPU; one rank either way)
+and, in ``benchmarks/peer_specforge_driver.py`` (runs inside the peer venv), two code patches: its triton KL
+kernel replaced by the reference ``_compute_loss`` of the same file, and ``TargetHead`` kept in fp32
+(``from_pretrained`` hard-codes bf16). The verifier is shown to SpecForge through a folder of symlinks plus a
 ``model.safetensors.index.json`` (``TargetHead`` insists on an index) and ``lm_head_key`` = the tied embedding.
+
+The draft evaluated is what ``specforge export --to sglang`` writes: ``config.json`` + ``model.safetensors`` in
+bfloat16 (its exporter hard-codes bf16; our importer fills the embeddings from the verifier). ``--fp32-export``
+also evaluates the same checkpoint exported in fp32. A finished training or evaluation in ``--work`` is reused.
 """
 
 from __future__ import annotations
