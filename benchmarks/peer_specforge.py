@@ -6,12 +6,14 @@ its ``LlamaForCausalLMEagle3`` draft, ``OnlineEagle3Model`` TTT rollout + loss, 
 a FULL-layout extraction of the same samples (fp32 aux states + the verifier's last hidden state), exports the draft
 with ``specforge export --to sglang`` and measures held-out τ with our evaluator on the built-in prompts.
 
-    python benchmarks/peer_specforge.py --run /work/exp14/run-g128-e9 \
-        --hidden-states /work/exp14/peers/extract-full --epochs 15 --work /work/exp14/peers/specforge
+    # the same prepared samples, extracted in the full layout (fp32 aux states + the last hidden state)
+    tiny-speculators extract --data runs/smollm2-135m/prepare --out runs/smollm2-135m/extract-full --layout full
+    python benchmarks/peer_specforge.py --run runs/smollm2-135m \
+        --hidden-states runs/smollm2-135m/extract-full --epochs 15 --work runs/peers/specforge
     # tiny smoke run (a few optimizer steps, one short prompt)
-    python benchmarks/peer_specforge.py --run /work/exp14/run-g128-e9 \
-        --hidden-states /work/exp14/peers/extract-full --epochs 1 --max-steps 4 --max-prompts 1 \
-        --max-new-tokens 16 --work /tmp/peer-specforge-smoke
+    python benchmarks/peer_specforge.py --run runs/smollm2-135m \
+        --hidden-states runs/smollm2-135m/extract-full --epochs 1 --max-steps 4 --max-prompts 1 \
+        --max-new-tokens 16 --work runs/peers/specforge-smoke
 
 The peer runs in its own virtual environment (``--venv``, built on first use from :data:`PINS`): torch 2.13.0 (the
 local CPU build), ``specforge==0.2.0`` with ``--no-deps`` (it pins torch 2.11 / sglang / CUDA wheels, none of

@@ -34,13 +34,14 @@ linear decay to 0 after 1% warmup (ours: AdamW, cosine, min(10, steps/10) warmup
 TTT steps weighted equally (ours: 0.8 decay); its loss mask counts the prediction of token t+1 when token t is
 supervised (ours: when t+1 is), across packed documents.
 
-    python benchmarks/peer_speculators.py --run /work/exp14/run-g128-e9 \
-        --hidden-states /work/exp14/peers/extract-full --steps 405 --batch-tokens 2048 \
-        --work /work/exp14/peers/speculators
-    # tiny smoke run (the full-layout extraction is made first: tiny-speculators extract --verifier smollm2-135m
-    #   --data RUN/prepare --out RUN-full --layout full)
-    python benchmarks/peer_speculators.py --run runs/smollm2-135m --hidden-states RUN-full --steps 4 \
-        --max-prompts 1 --max-new-tokens 16 --work /tmp/peer-speculators-smoke
+    # the same prepared samples, extracted in the full layout (fp32 aux states + the last hidden state)
+    tiny-speculators extract --data runs/smollm2-135m/prepare --out runs/smollm2-135m/extract-full --layout full
+    python benchmarks/peer_speculators.py --run runs/smollm2-135m \
+        --hidden-states runs/smollm2-135m/extract-full --steps 405 --batch-tokens 2048 \
+        --work runs/peers/speculators
+    # tiny smoke run
+    python benchmarks/peer_speculators.py --run runs/smollm2-135m --hidden-states runs/smollm2-135m/extract-full \
+        --steps 4 --max-prompts 1 --max-new-tokens 16 --work runs/peers/speculators-smoke
 """
 
 from __future__ import annotations
