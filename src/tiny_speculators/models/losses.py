@@ -163,13 +163,18 @@ class TopKTargets:
         self.ids, self.logits, self.vocab_size = ids, logits, vocab_size
         self._draft_index: torch.Tensor | None = None
 
-    def _dist(self, ids: torch.Tensor, logits: torch.Tensor,
-              draft_cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _lookup(self, ids: torch.Tensor, logits: torch.Tensor,
+                draft_cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(argmax over the full vocab ``[c]``, the top-k's draft ids ``[c, k]`` (-1 outside), fp32 logits)."""
         if self._draft_index is None:
             self._draft_index = draft_index(draft_cols, self.vocab_size)
         ids, logits = ids.long(), logits.float()
         argmax = ids.gather(1, logits.argmax(dim=1, keepdim=True)).squeeze(1)
-        draft_ids = self._draft_index[ids]  # (c, k)
+        return argmax, self._draft_index[ids], logits
+
+    def _dist(self, ids: torch.Tensor, logits: torch.Tensor,
+              draft_cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        argmax, draft_ids, logits = self._lookup(ids, logits, draft_cols)  # draft_ids: (c, k)
         keep = draft_ids >= 0
         dense = logits.new_full((ids.shape[0], draft_cols.numel()), float("-inf"))
         row = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
@@ -180,11 +185,7 @@ class TopKTargets:
 
     def _sparse(self, ids: torch.Tensor, logits: torch.Tensor,
                 draft_cols: torch.Tensor) -> tuple[torch.Tensor, SparseLogp]:
-        if self._draft_index is None:
-            self._draft_index = draft_index(draft_cols, self.vocab_size)
-        ids, logits = ids.long(), logits.float()
-        argmax = ids.gather(1, logits.argmax(dim=1, keepdim=True)).squeeze(1)
-        draft_ids = self._draft_index[ids]  # (c, k)
+        argmax, draft_ids, logits = self._lookup(ids, logits, draft_cols)  # draft_ids: (c, k)
         kept = logits.masked_fill(draft_ids < 0, float("-inf"))
         norm = torch.logsumexp(kept, dim=1, keepdim=True)  # (c, 1), -inf for a row with no draft token
         logp = torch.where(draft_ids >= 0, kept - norm, float("-inf"))  # (c, k)
