@@ -80,6 +80,33 @@ def test_sampling_is_seeded(tmp_path, tiny_llama_dir):
     assert a["temperature"] == 1.0 and a["seed"] == 3 and b["new_tokens"] == a["new_tokens"]
 
 
+def test_extra_answers_are_sampled_records_next_to_the_first(tmp_path, tiny_llama_dir):
+    """Each extra answer i is what a run sampling at extra_temperature with seed + i gives; the first answers are
+    the greedy run's; every answer is its own record (id ``<id>~<i>``) after the record's first."""
+    data = write_jsonl(tmp_path / "in.jsonl", RECORDS)
+    kw = dict(max_new_tokens=8, batch_size=3)
+    summary = regenerate(str(tiny_llama_dir), [data], tmp_path / "both", extra_answers=2, extra_temperature=1.0,
+                         seed=3, **kw)
+    greedy = read_chats(regenerate_to(tiny_llama_dir, data, tmp_path / "greedy", **kw))
+    sampled = [read_chats(regenerate_to(tiny_llama_dir, data, tmp_path / f"t{i}", temperature=1.0, seed=3 + i, **kw))
+               for i in (1, 2)]
+    chats = read_chats(tmp_path / "both")
+    assert summary["kept"] == 12 and summary["extra_answers"] == 2 and summary["assistant_turns_generated"] == 15
+    assert [c["id"] for c in chats] == [f"{g['id']}{s}" for g in greedy for s in ("", "~1", "~2")]
+    assert [c["messages"] for c in chats[0::3]] == [g["messages"] for g in greedy]
+    for i in (1, 2):
+        assert [c["messages"] for c in chats[i::3]] == [s["messages"] for s in sampled[i - 1]]
+    assert chats[1::3] != chats[0::3] and chats[1::3] != chats[2::3]  # sampled, and differently
+    assert chats[7]["messages"][::2] == chats[6]["messages"][::2]  # user turns kept verbatim in every answer
+    with pytest.raises(UserError, match="extra_temperature must be above 0"):
+        regenerate(str(tiny_llama_dir), [data], tmp_path / "x", extra_answers=1, extra_temperature=0.0)
+
+
+def regenerate_to(verifier, data: Path, out: Path, **kw) -> Path:
+    regenerate(str(verifier), [data], out, **kw)
+    return out
+
+
 def test_resume_skips_finished_records_and_restarts_on_changed_settings(tmp_path, tiny_llama_dir):
     data = write_jsonl(tmp_path / "in.jsonl", RECORDS)
     out = tmp_path / "out"
@@ -167,12 +194,24 @@ def test_endpoint_backend(tmp_path):
     assert chats[1]["messages"][2]["content"] == "[2] ?2 + 2 si tahW"
     two = chats[2]["messages"]
     assert two[1]["content"] == "[1] ereht iH" and two[3]["content"] == "[3] erom em lleT"
-    assert len(server.requests) == 5
+    assert len(server.requests) == 5 and all(r["temperature"] == 0.0 and r["seed"] == 0 for r in server.requests)
     assert {r["path"] for r in server.requests} == {"/v1/chat/completions"}
     assert all(r["model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and r["max_tokens"] == 7 for r in server.requests)
     # the second turn was asked with the regenerated first answer, never the original
     second = next(r for r in server.requests if len(r["messages"]) == 3)
     assert second["messages"][1]["content"] == "[1] ereht iH"
+
+
+def test_endpoint_extra_answers_ask_with_their_own_temperature_and_seed(tmp_path):
+    data = write_jsonl(tmp_path / "in.jsonl", RECORDS[:2])
+    with _Server() as server:
+        summary = regenerate("m", [data], tmp_path / "out", endpoint=server.url, seed=5, extra_answers=1,
+                             extra_temperature=0.7)
+    assert summary["kept"] == 4 and summary["seed"] == 5 and summary["extra_temperature"] == 0.7
+    asked = sorted((r["messages"][-1]["content"], r["temperature"], r["seed"]) for r in server.requests)
+    assert asked == [("Name a colour.", 0.0, 5), ("Name a colour.", 0.7, 6),
+                     ("What is 2 + 2?", 0.0, 5), ("What is 2 + 2?", 0.7, 6)]
+    assert [c["id"].endswith("~1") for c in read_chats(tmp_path / "out")] == [False, True, False, True]
 
 
 def test_endpoint_errors_are_one_sentence(tmp_path):

