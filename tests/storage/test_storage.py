@@ -74,6 +74,7 @@ def test_roundtrip_full(tmp_path, dtype):
         assert torch.equal(got["aux_hidden_states"], ref["aux"]) and torch.equal(got["last_hidden_state"], ref["last"])
         assert got["aux_hidden_states"].dtype == ref["aux"].dtype
     assert torch.equal(reader[-1]["input_ids"], samples[-1]["input_ids"])
+    assert list(reader.token_columns()) == [(s["input_ids"].tolist(), s["loss_mask"].long().tolist()) for s in samples]
     with pytest.raises(IndexError):
         reader[6]
     report = verify_extraction(tmp_path)

@@ -15,6 +15,7 @@ from tiny_speculators.train.data import (
     eval_share,
     group_micro_batches,
     plan_epoch,
+    prompt_key,
     rank_share,
     split_train_val,
 )
@@ -74,6 +75,22 @@ def test_split_train_val():
     assert len(val) == 2 and sorted(train + val) == list(range(20))
     assert split_train_val(20, 0.1, seed=0) == (train, val)
     assert split_train_val(20, 0.0, seed=0)[1] == []
+
+
+def test_split_keeps_each_prompt_on_one_side():
+    groups = [i // 3 for i in range(60)]  # three answers to each of 20 prompts
+    train, val = split_train_val(60, 0.1, seed=1, groups=groups)
+    assert len(val) == 6 and sorted(train + val) == list(range(60))
+    assert {groups[i] for i in train}.isdisjoint(groups[i] for i in val)
+    assert split_train_val(60, 0.1, seed=1, groups=groups) == (train, val)
+    assert split_train_val(20, 0.1, seed=0, groups=[f"p{i}" for i in range(20)]) == split_train_val(20, 0.1, seed=0)
+    assert split_train_val(60, 0.0, seed=1, groups=groups)[1] == []
+
+
+def test_prompt_key_is_what_comes_before_the_first_supervised_token():
+    assert prompt_key([1, 2, 3, 9], [0, 0, 1, 1]) == prompt_key([1, 2, 4, 4, 4], [0, 0, 1, 1, 0])
+    assert prompt_key([1, 2, 3], [0, 0, 1]) != prompt_key([1, 5, 3], [0, 0, 1])
+    assert prompt_key([1, 2], [0, 0]) != prompt_key([1, 2, 3], [0, 0, 0])
 
 
 def _sample(n, h=3, start=0):

@@ -12,7 +12,9 @@ against the manifest's sha256 and expected shapes; a corrupted or unreadable sha
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,17 @@ class HiddenStateReader:
                 self.directory, entry, self.manifest, check_sha=False)[1]
             out.extend((offsets[1:] - offsets[:-1]).tolist())
         return out
+
+    def token_columns(self) -> Iterator[tuple[list[int], list[int]]]:
+        """Every sample's ``(input_ids, loss_mask)``, in order. Reads only those two columns of each shard (no
+        checksum pass: that happens when a shard's samples are first read)."""
+        for k, entry in enumerate(self._shards):
+            handle, offsets = self._open[k] if k in self._open else open_shard(
+                self.directory, entry, self.manifest, check_sha=False)
+            ids, mask = handle.get_tensor("input_ids").tolist(), handle.get_tensor("loss_mask").tolist()
+            bounds = offsets.tolist()
+            for a, b in itertools.pairwise(bounds):
+                yield ids[a:b], mask[a:b]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if i < 0:

@@ -16,8 +16,10 @@ states per micro-batch (see ``online.py``).
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Sequence
+import struct
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -30,19 +32,40 @@ TOKEN_TENSOR_KEYS = ("aux_hidden_states", "last_hidden_state", "target_topk_ids"
 Plan = list[list[list[int]]]  # step -> micro-batches (world_size * grad_accum of them) -> sample indices
 
 
-def split_train_val(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """A seeded split of ``range(n)`` into (train, val); val has ``round(n * eval_fraction)`` samples."""
+def split_train_val(n: int, eval_fraction: float, seed: int,
+                    groups: Sequence[Hashable] | None = None) -> tuple[list[int], list[int]]:
+    """A seeded split of ``range(n)`` into (train, val); val has ``round(n * eval_fraction)`` samples.
+
+    ``groups`` (one key per sample, e.g. :func:`prompt_key`) keeps the samples of a group on one side: whole groups,
+    in seeded order, go to val until it holds at least that many samples. With every key distinct (or no
+    ``groups``) the split is the same as the plain one."""
     if not 0.0 <= eval_fraction < 1.0:
         raise UserError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
     n_val = round(n * eval_fraction)
     if eval_fraction > 0 and n_val == 0 and n > 1:
         n_val = 1
+    members: dict[Hashable, list[int]] = {}
+    for i, key in enumerate(groups if groups is not None else range(n)):
+        members.setdefault(key, []).append(i)
+    order = list(members.values())  # groups in order of first appearance
     g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(n, generator=g).tolist()
-    val, train = sorted(perm[:n_val]), sorted(perm[n_val:])
+    val: list[int] = []
+    for k in torch.randperm(len(order), generator=g).tolist():
+        if len(val) >= n_val:
+            break
+        val.extend(order[k])
+    held = set(val)
+    train = [i for i in range(n) if i not in held]
     if not train:
-        raise UserError(f"no training samples left after holding out {n_val} of {n} for validation")
-    return train, val
+        raise UserError(f"no training samples left after holding out {len(val)} of {n} for validation")
+    return train, sorted(val)
+
+
+def prompt_key(input_ids: Sequence[int], loss_mask: Sequence[int]) -> bytes:
+    """What a sample was asked: a digest of its tokens before the first supervised one. Answers to the same prompt
+    (``regenerate --extra-answers``) and the turns of one split conversation share it."""
+    first = next((j for j, m in enumerate(loss_mask) if m), len(loss_mask))
+    return hashlib.blake2b(struct.pack(f"<{first}q", *input_ids[:first]), digest_size=16).digest()
 
 
 def group_micro_batches(order: Sequence[int], lengths: Sequence[int], *, batch_size: int,

@@ -38,7 +38,7 @@ import torch
 from tiny_speculators.errors import UserError
 from tiny_speculators.train import distributed as D
 from tiny_speculators.train.data import collate
-from tiny_speculators.train.sources import _load_prepared_dataset, to_device
+from tiny_speculators.train.sources import _load_prepared_dataset, prompt_keys, to_device
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +217,9 @@ class ProducerSource:
 
     def lengths(self) -> list[int]:
         return self._lengths
+
+    def prompt_keys(self) -> list[bytes]:
+        return prompt_keys(self.dataset)
 
     def batch(self, indices: list[int], device: torch.device, pack: bool) -> dict[str, Any]:
         rows = self.dataset[list(indices)]

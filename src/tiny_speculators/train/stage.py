@@ -262,7 +262,9 @@ def _train_with(info: D.DistInfo, opts: TrainOptions, resume_from: Path | None, 
     from tiny_speculators.train.data import plan_epoch
 
     out = opts.out
-    train_idx, val_idx = split_train_val(len(run.source), opts.eval_fraction, opts.seed)
+    # answers to one prompt (and turns of one conversation) stay on one side: a validation sample's prompt unseen
+    train_idx, val_idx = split_train_val(len(run.source), opts.eval_fraction, opts.seed,
+                                         groups=run.source.prompt_keys() if opts.eval_fraction else None)
     state = TrainState()
     if resume_from is not None:
         state = run.load_checkpoint(resume_from)
