@@ -103,13 +103,15 @@ def convert(run: Path, hidden_states: Path, out: Path, seed: int, eval_fraction:
     from safetensors.torch import load_file, save_file
 
     from tiny_speculators.storage.reader import HiddenStateReader
-    from tiny_speculators.train.data import split_train_val
+    from tiny_speculators.train.data import prompt_key, split_train_val
 
     reader = HiddenStateReader(hidden_states)
     if reader.manifest["layout"] != "full" or reader.manifest.get("dtype") != "float32":
         raise SystemExit(f"{hidden_states} has layout {reader.manifest['layout']} ({reader.manifest.get('dtype')}); "
                          "speculators trains on full fp32 targets: extract with --layout full")
-    train_idx, val_idx = split_train_val(len(reader), eval_fraction, seed)
+    # the split our train stage makes (each prompt on one side)
+    train_idx, val_idx = split_train_val(len(reader), eval_fraction, seed,
+                                         groups=[prompt_key(*cols) for cols in reader.token_columns()])
     shutil.rmtree(out, ignore_errors=True)
     (out / "hidden_states").mkdir(parents=True)
     rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
