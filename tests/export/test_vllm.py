@@ -36,11 +36,12 @@ NEW_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, smollm2_dir) -> Path:
-    """A briefly trained draft of the embedded verifier, exported with the verifier's local folder as name."""
+    """A briefly trained draft of the embedded verifier, exported with the verifier's local folder as name; with
+    the embedded default's EAGLE-3.1 norms (fc_norm, norm_before_residual), so vLLM must apply them too."""
     from tiny_speculators.export import export
 
     root = tmp_path_factory.mktemp("vllm")
-    ckpt = train_draft(smollm2_dir, root / "ckpt")
+    ckpt = train_draft(smollm2_dir, root / "ckpt", options={"fc_norm": True, "norm_before_residual": True})
     export(ckpt, out=root / "export", verifier_name=str(smollm2_dir), speculative_tokens=K)
     return root / "export"
 
@@ -70,7 +71,7 @@ def test_vllm_parses_the_exported_config(vllm_runs, exported):
     assert hf["architectures"] == ["Eagle3LlamaForCausalLM"]
     assert hf["draft_vocab_size"] == ours["draft_vocab_size"]
     assert hf["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
-    assert hf["norm_before_residual"] is False and hf["norm_before_fc"] is False and hf["fc_norm"] is False
+    assert hf["norm_before_residual"] is True and hf["norm_before_fc"] is False and hf["fc_norm"] is True
     layer = ours["transformer_layer_config"]
     for key in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "intermediate_size", "rms_norm_eps", "max_position_embeddings"):

@@ -233,7 +233,7 @@ def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, 
     if algorithm != "eagle3":  # any other family through the family seam (its builder and objective)
         return _train_family(model, parts, out, algorithm, options, ids, mask, aux, last, d2t, t2d, steps, seed,
                              aux_ids=aux_ids, verifier_dir=verifier_dir, verifier_name=verifier_name, lr=lr)
-    kwargs = draft_kwargs_from_verifier(model.config, draft_vocab)
+    kwargs = {**draft_kwargs_from_verifier(model.config, draft_vocab), **options}  # e.g. fc_norm
     draft = build_draft(kwargs, d2t, t2d, embed_weight=parts.embed_tokens.weight.detach(),
                         lm_head_weight=parts.lm_head.weight.detach())
 
