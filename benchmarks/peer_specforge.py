@@ -115,14 +115,14 @@ def convert_features(hidden_states: Path, verifier_dir: Path, out: Path, *, eval
     from safetensors import safe_open
 
     from tiny_speculators.storage.reader import HiddenStateReader
-    from tiny_speculators.train.data import prompt_key, split_train_val
+    from tiny_speculators.train.data import prompt_keys, split_train_val
 
     reader = HiddenStateReader(hidden_states)
     if reader.layout.name != "full":
         raise SystemExit(f"{hidden_states} has layout {reader.layout.name}; SpecForge needs the full layout")
     # the split our train stage makes (each prompt on one side)
     train_idx, val_idx = split_train_val(len(reader), eval_fraction, seed,
-                                         groups=[prompt_key(*cols) for cols in reader.token_columns()])
+                                         groups=prompt_keys(reader.token_columns()))
     stats = {"samples": len(train_idx), "held_out": len(val_idx), "tokens": 0, "loss_tokens": 0,
              "aux_layer_ids": reader.manifest["aux_layer_ids"]}
     done = out / "converted.json"

@@ -103,7 +103,7 @@ def convert(run: Path, hidden_states: Path, out: Path, seed: int, eval_fraction:
     from safetensors.torch import load_file, save_file
 
     from tiny_speculators.storage.reader import HiddenStateReader
-    from tiny_speculators.train.data import prompt_key, split_train_val
+    from tiny_speculators.train.data import prompt_keys, split_train_val
 
     reader = HiddenStateReader(hidden_states)
     if reader.manifest["layout"] != "full" or reader.manifest.get("dtype") != "float32":
@@ -111,7 +111,7 @@ def convert(run: Path, hidden_states: Path, out: Path, seed: int, eval_fraction:
                          "speculators trains on full fp32 targets: extract with --layout full")
     # the split our train stage makes (each prompt on one side)
     train_idx, val_idx = split_train_val(len(reader), eval_fraction, seed,
-                                         groups=[prompt_key(*cols) for cols in reader.token_columns()])
+                                         groups=prompt_keys(reader.token_columns()))
     shutil.rmtree(out, ignore_errors=True)
     (out / "hidden_states").mkdir(parents=True)
     rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}

@@ -375,8 +375,7 @@ def regenerate(
         works.append(w)
         for i in range(1, extra_answers + 1):  # next to the first answer: same source, same index
             again = Conversation(source=conv.source, index=conv.index, messages=conv.messages, id=f"{conv.id}~{i}")
-            works.append(_Work(conv=again, sampling=Sampling(extra_temperature, seed + i),
-                               pending=[dict(m) for m in w.pending]))
+            works.append(_prepare_work(again, Sampling(extra_temperature, seed + i)))
     if not works:
         raise UserError(f"no usable chat records in {', '.join(map(str, data))}")
 

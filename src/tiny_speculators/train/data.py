@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -59,6 +59,11 @@ def split_train_val(n: int, eval_fraction: float, seed: int,
     if not train:
         raise UserError(f"no training samples left after holding out {len(val)} of {n} for validation")
     return train, sorted(val)
+
+
+def prompt_keys(columns: Iterable[tuple[Sequence[int], Sequence[int]]]) -> list[bytes]:
+    """:func:`prompt_key` of every ``(input_ids, loss_mask)`` pair, e.g. a reader's ``token_columns()``."""
+    return [prompt_key(ids, mask) for ids, mask in columns]
 
 
 def prompt_key(input_ids: Sequence[int], loss_mask: Sequence[int]) -> bytes:

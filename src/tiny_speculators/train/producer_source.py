@@ -37,8 +37,8 @@ import torch
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.train import distributed as D
-from tiny_speculators.train.data import collate
-from tiny_speculators.train.sources import _load_prepared_dataset, prompt_keys, to_device
+from tiny_speculators.train.data import collate, prompt_keys
+from tiny_speculators.train.sources import _load_prepared_dataset, to_device
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ class ProducerSource:
         return self._lengths
 
     def prompt_keys(self) -> list[bytes]:
-        return prompt_keys(self.dataset)
+        return prompt_keys(zip(self.dataset["input_ids"], self.dataset["loss_mask"], strict=True))
 
     def batch(self, indices: list[int], device: torch.device, pack: bool) -> dict[str, Any]:
         rows = self.dataset[list(indices)]

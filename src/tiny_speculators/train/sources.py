@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.train.data import collate, prompt_key
+from tiny_speculators.train.data import collate, prompt_keys
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class OfflineSource:
     def prompt_keys(self) -> list[bytes]:
         """:func:`~tiny_speculators.train.data.prompt_key` of every sample (the validation split keeps each on one
         side)."""
-        return [prompt_key(ids, mask) for ids, mask in self.reader.token_columns()]
+        return prompt_keys(self.reader.token_columns())
 
     def batch(self, indices: list[int], device: torch.device, pack: bool) -> dict[str, Any]:
         keys = ("input_ids", "loss_mask", "aux_hidden_states", *self.target_keys)
@@ -96,7 +96,7 @@ class OnlineSource:
         return self._lengths
 
     def prompt_keys(self) -> list[bytes]:
-        return prompt_keys(self.dataset)
+        return prompt_keys(zip(self.dataset["input_ids"], self.dataset["loss_mask"], strict=True))
 
     def batch(self, indices: list[int], device: torch.device, pack: bool) -> dict[str, Any]:
         from tiny_speculators.verifier.capture import capture_hidden_states
@@ -119,11 +119,6 @@ class OnlineSource:
             # clone outside inference mode: inference tensors cannot be saved for backward
             batch["aux_hidden_states"], batch["last_hidden_state"] = aux.clone(), last.clone()
         return batch
-
-
-def prompt_keys(dataset) -> list[bytes]:
-    """:func:`~tiny_speculators.train.data.prompt_key` of every sample of a prepared dataset."""
-    return [prompt_key(ids, mask) for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"], strict=True)]
 
 
 def _load_prepared_dataset(prepared: Path):
