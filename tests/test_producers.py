@@ -44,6 +44,31 @@ def test_a_taken_master_port_is_a_one_line_error(mooncake, tmp_path):
                               "Mooncake master port")
 
 
+def test_ports_taken_between_picking_and_binding_are_picked_again(mooncake, tmp_path, monkeypatch):
+    """A busy machine can take a port the master was handed before it binds it (CI saw it for the metrics port):
+    the master starts on fresh ports; a port the user chose is never swapped, and its failure names the reason."""
+    import socket
+
+    from tiny_speculators import producers
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        picks = iter([[free_port(), busy]])
+        real = producers.free_ports
+        monkeypatch.setattr(producers, "free_ports", lambda n: next(picks, None) or real(n))
+        with MooncakeMaster(tmp_path / "master.log") as master:
+            check_master(master.address)
+        assert "Address already in use" in (tmp_path / "master.log").read_text()  # the first try did fail
+
+        picks = iter([[busy, busy]])
+        with pytest.raises(UserError, match=rf"^mooncake_master exited while starting \(exit code 1: E\d{{4}} .*"
+                                            rf"127.0.0.1:{busy}: Address already in use; log: "):
+            with MooncakeMaster(tmp_path / "own.log", port=free_port()):
+                pass
+
+
 def test_no_master_and_bad_addresses_are_one_line_errors():
     port = free_port()
     with pytest.raises(UserError, match=rf"^no Mooncake master answers at 127.0.0.1:{port} \(Connection refused\)"):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import socket
 import subprocess
 import time
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.serving import HOST, VllmServer, check_port_free, free_port, stop_process_group
+from tiny_speculators.serving import HOST, VllmServer, check_port_free, free_ports, stop_process_group
 
 __all__ = ["CONNECTOR", "MooncakeMaster", "check_master", "import_mooncake_store", "kv_transfer_config",
            "local_hostname", "producer_server", "speculative_config", "store_config"]
@@ -40,6 +41,7 @@ PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugins"  # put on the prod
 CONNECTOR = "CpuMooncakeHiddenStatesConnector"
 CONNECTOR_MODULE = "mooncake_connector"
 SYSTEM_LIBS = "libibverbs1 libnl-3-200 libnl-route-3-200 librdmacm1"
+PORT_ATTEMPTS = 3  # a port picked free can be taken before the master binds it (a busy machine): pick again
 PRODUCER_SEGMENT_BYTES = 1 << 30  # store memory each producer lends: samples wait in it until a rank fetches them
 TRAINER_BUFFER_BYTES = 256 << 20  # a trainer rank's local transfer buffer (it lends no store memory)
 
@@ -129,6 +131,7 @@ class MooncakeMaster:
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
+        self._log_offset = 0
 
     @property
     def address(self) -> str:
@@ -137,13 +140,22 @@ class MooncakeMaster:
         return f"{HOST}:{self.port}"
 
     def __enter__(self) -> MooncakeMaster:
-        self.start()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        picked = self.port is None  # ports we picked may be taken before the master binds them: pick again
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            self.start()
+            try:
+                self.wait_ready()
+                return self
+            except UserError:
+                self.stop()
+                if not (picked and attempt < PORT_ATTEMPTS and "Address already in use" in self._attempt_log()):
+                    raise
+                log.info("mooncake_master: a port it was given got taken; starting it on other ports")
+                self.port = None
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -155,15 +167,17 @@ class MooncakeMaster:
             raise UserError(f"the Mooncake wheel has no mooncake_master binary at {binary}")
         # mooncake_master reuses a taken port without a word (another master would answer for it): check first
         if self.port is None:
-            self.port = free_port()
+            self.port, metrics_port = free_ports(2)
         else:
             check_port_free(self.port, option="Mooncake master port")
+            metrics_port = next(p for p in free_ports(2) if p != self.port)
         cmd = [str(binary), "-rpc_address", HOST, "-rpc_port", str(self.port), "-metrics_host", HOST,
-               "-metrics_port", str(free_port()), "-enable_http_metadata_server=false", "-logtostderr"]
+               "-metrics_port", str(metrics_port), "-enable_http_metadata_server=false", "-logtostderr"]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = self.log_path.open("ab")
         self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
         self._log_file.flush()
+        self._log_offset = self._log_file.tell()
         log.info("mooncake_master: starting on %s (log: %s)", self.address, self.log_path)
         self.process = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
@@ -174,9 +188,11 @@ class MooncakeMaster:
         while True:
             code = self.process.poll()
             if code is not None:
-                lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
+                lines = [ln.strip() for ln in self._attempt_log().splitlines() if ln.strip()]
+                errors = [ln for ln in lines if re.match(r"[EF]\d{4} ", ln)]  # glog's ERROR and FATAL lines
+                reason = (errors or lines or [""])[0]
                 raise UserError(f"mooncake_master exited while starting (exit code {code}"
-                                f"{': ' + lines[-1].strip() if lines else ''}; log: {self.log_path})")
+                                f"{': ' + reason if reason else ''}; log: {self.log_path})")
             with contextlib.suppress(OSError), socket.create_connection((HOST, self.port), timeout=1.0):
                 log.info("mooncake_master: ready after %.1f s", time.monotonic() - start)
                 return
@@ -184,6 +200,13 @@ class MooncakeMaster:
                 raise UserError(f"mooncake_master did not listen on {self.address} within "
                                 f"{self.startup_timeout:.0f} s (log: {self.log_path})")
             time.sleep(0.2)
+
+    def _attempt_log(self) -> str:
+        """What the master wrote to its log since this attempt started it."""
+        with contextlib.suppress(OSError), self.log_path.open("rb") as f:
+            f.seek(self._log_offset)
+            return f.read().decode(errors="replace")
+        return ""
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM the master's process group, SIGKILL it after ``grace`` seconds; idempotent."""

@@ -35,7 +35,7 @@ from typing import IO, Any
 from tiny_speculators.errors import UserError
 
 __all__ = ["VllmServer", "build_vllm_env", "check_port_free", "clean_env", "default_vllm_venv", "free_port",
-           "sigterm_as_exit", "stop_process_group", "vllm_python"]
+           "free_ports", "sigterm_as_exit", "stop_process_group", "vllm_python"]
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +108,16 @@ def clean_env() -> dict[str, str]:
 
 def free_port(host: str = HOST) -> int:
     """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = HOST) -> list[int]:
+    """``count`` distinct TCP ports nobody listens on right now (all held while the OS picks the next)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
+        for s in sockets:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in sockets]
 
 
 def check_port_free(port: int, host: str = HOST, option: str = "--port") -> None:
