@@ -63,10 +63,9 @@ def test_ports_taken_between_picking_and_binding_are_picked_again(mooncake, tmp_
         assert "Address already in use" in (tmp_path / "master.log").read_text()  # the first try did fail
 
         picks = iter([[busy, busy]])
-        with pytest.raises(UserError, match=rf"^mooncake_master exited while starting \(exit code 1: E\d{{4}} .*"
-                                            rf"127.0.0.1:{busy}: Address already in use; log: "):
-            with MooncakeMaster(tmp_path / "own.log", port=free_port()):
-                pass
+        reason = rf"^mooncake_master exited while starting \(exit code 1: E\d{{4}} .*:{busy}: Address already in use"
+        with pytest.raises(UserError, match=reason), MooncakeMaster(tmp_path / "own.log", port=free_port()):
+            pass
 
 
 def test_no_master_and_bad_addresses_are_one_line_errors():
