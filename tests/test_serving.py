@@ -85,3 +85,39 @@ def test_an_environment_that_cannot_be_built_is_one_line(tmp_path, monkeypatch):
     assert message.startswith("scripts/vllm_env.sh failed (exit code ") and "\n" not in message
     assert message.endswith(f"(log: {tmp_path / 'env.log'})") and "no-such-python" in message
     assert "no-such-python" in (tmp_path / "env.log").read_text()
+
+
+def _finished_venv(root: Path) -> Path:
+    """A vLLM environment the script takes as finished (markers; a python whose only failing import is Mooncake's,
+    as on a machine without libibverbs) whose pip records what it is asked to install."""
+    import stat
+
+    venv = root / "venv"
+    (venv / "bin").mkdir(parents=True)
+    tools = {"python": '#!/bin/sh\ncase "$*" in *mooncake*) echo "ImportError: libibverbs.so.1: cannot open shared '
+                       'object file" >&2; exit 1;; esac\nexit 0\n',
+             "guidellm": "#!/bin/sh\nexit 0\n", "pip": f'#!/bin/sh\necho "$*" >> {venv}/pip.log\n'}
+    for name, text in tools.items():
+        (venv / "bin" / name).write_text(text)
+        (venv / "bin" / name).chmod(stat.S_IRWXU)
+    (venv / ".tiny-speculators-complete").touch()
+    (venv / ".tiny-speculators-guidellm-0.8.1").touch()
+    return venv
+
+
+def test_mooncake_is_added_only_when_asked_and_its_missing_libraries_are_named(tmp_path):
+    import subprocess
+
+    from tiny_speculators.serving import VLLM_ENV_SCRIPT
+
+    venv = _finished_venv(tmp_path)
+    plain = subprocess.run(["bash", str(VLLM_ENV_SCRIPT)], capture_output=True, text=True,
+                           env={"PATH": "/usr/bin:/bin", "TINY_SPECULATORS_VLLM_VENV": str(venv)})
+    assert plain.returncode == 0, plain.stderr  # regenerate/serve/benchmark: a machine without libibverbs is fine
+    assert not (venv / "pip.log").exists()
+    with pytest.raises(UserError) as err:
+        build_vllm_env(venv, log_path=tmp_path / "env.log", mooncake=True)
+    message = str(err.value)
+    assert "\n" not in message and "libibverbs1 libnl-3-200 libnl-route-3-200 librdmacm1" in message
+    assert "mooncake-transfer-engine-non-cuda" in (venv / "pip.log").read_text()
+    assert "libibverbs.so.1" in (tmp_path / "env.log").read_text()

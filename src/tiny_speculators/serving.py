@@ -70,7 +70,8 @@ def vllm_python(venv: Path | None = None) -> Path:
 def build_vllm_env(venv: Path | None = None, log_path: Path | None = None, timeout: float = 1800.0,
                    mooncake: bool = False) -> Path:
     """The interpreter of the vLLM environment, built by ``scripts/vllm_env.sh`` first when it is missing
-    (or, with ``mooncake``, when it lacks Mooncake and hs-connectors, which the script adds to it).
+    (or, with ``mooncake``, when it lacks Mooncake and hs-connectors, which the script adds only then: their
+    wheel needs system libraries a fresh machine may lack, and serving or regenerating never needs them).
 
     A build that cannot run or fails is a one-line :class:`UserError` (the script's output is in ``log_path``).
     """
@@ -87,7 +88,8 @@ def build_vllm_env(venv: Path | None = None, log_path: Path | None = None, timeo
     log.warning("building the vLLM environment in %s with %s (a few minutes, once)", venv, VLLM_ENV_SCRIPT)
     where = f" (log: {log_path})" if log_path is not None else ""
     try:
-        proc = subprocess.run(["bash", str(VLLM_ENV_SCRIPT)], capture_output=True, text=True, timeout=timeout,
+        argv = ["bash", str(VLLM_ENV_SCRIPT), *(["--mooncake"] if mooncake else [])]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
                               env={**clean_env(), "TINY_SPECULATORS_VLLM_VENV": str(venv)}, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         raise UserError(f"scripts/vllm_env.sh did not finish within {timeout:.0f} s") from None
