@@ -19,7 +19,8 @@ from tiny_speculators.errors import UserError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["safetensor_index", "text_config", "verifier_config", "verifier_embeddings", "verifier_record"]
+__all__ = ["read_prefixed", "read_tensors", "safetensor_index", "text_config", "verifier_config",
+           "verifier_embeddings", "verifier_record"]
 
 # Where the token embedding lives in the checkpoints we know (plain decoders and multimodal wrappers).
 EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight",
@@ -77,6 +78,29 @@ def safetensor_index(folder: Path) -> dict[str, Path]:
         with safe_open(str(single), "pt") as f:
             return dict.fromkeys(f.keys(), single)
     return {}
+
+
+def read_tensors(index: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` of a checkpoint, ``index`` from :func:`safetensor_index` (each file opened once)."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(index[name], []).append(name)
+    for path, keys in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for key in keys:
+                out[key] = f.get_tensor(key)
+    return out
+
+
+def read_prefixed(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a local checkpoint whose name starts with ``prefix`` (e.g. ``model.layers.61.``), keyed
+    without it."""
+    keys = safetensor_index(folder)
+    state = read_tensors(keys, [k for k in keys if k.startswith(prefix)])
+    return {k.removeprefix(prefix): v for k, v in state.items()}
 
 
 def verifier_embeddings(name: str) -> torch.Tensor:

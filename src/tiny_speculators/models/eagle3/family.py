@@ -11,11 +11,13 @@ from typing import Literal
 
 from torch import nn
 
+from tiny_speculators.errors import UserError
 from tiny_speculators.models.eagle3 import sglang, speculators
 from tiny_speculators.models.eagle3.builder import build_draft, draft_kwargs_from_verifier
 from tiny_speculators.models.eagle3.model import Eagle3Draft
 from tiny_speculators.models.eagle3.objective import TTTModule
 from tiny_speculators.models.eagle3.proposer import Eagle3Proposer
+from tiny_speculators.models.eagle3.verifier_init import init_from_verifier_layer
 from tiny_speculators.models.family import BuildInputs, DraftFamily
 from tiny_speculators.models.losses import LossSpec
 
@@ -31,6 +33,9 @@ class Eagle3Options:
         layer_type: draft decoder layer: auto (qwen3 for Qwen3 verifiers, else llama), llama, or qwen3.
         fc_norm: RMSNorm each aux chunk before fc (EAGLE 3.1).
         norm_before_residual: use hidden_norm(h) as the residual (vLLM's flag).
+        init: random, or verifier: the decoder layer starts as the verifier's layer ``init_layer`` (an early exit
+            of the verifier; ``verifier_init.py``), read from the verifier's safetensors.
+        init_layer: the verifier layer ``init: verifier`` copies (default: the last aux layer).
     """
 
     ttt_steps: int = 3
@@ -38,6 +43,8 @@ class Eagle3Options:
     layer_type: Literal["auto", "llama", "qwen3"] = "auto"
     fc_norm: bool = False
     norm_before_residual: bool = False
+    init: Literal["random", "verifier"] = "random"
+    init_layer: int | None = None
 
     def __post_init__(self) -> None:
         if self.ttt_steps < 1:
@@ -58,8 +65,19 @@ def build(inputs: BuildInputs, options: Eagle3Options) -> Eagle3Draft:
         aux_layer_ids=list(inputs.aux_layer_ids), layer_type=resolve_layer_type(options.layer_type,
                                                                                 inputs.verifier_config),
         fc_norm=options.fc_norm, norm_before_residual=options.norm_before_residual)
-    return build_draft(kwargs, inputs.d2t, inputs.t2d, embed_weight=inputs.embed_weight,
-                       lm_head_weight=inputs.lm_head_weight)
+    draft = build_draft(kwargs, inputs.d2t, inputs.t2d, embed_weight=inputs.embed_weight,
+                        lm_head_weight=inputs.lm_head_weight)
+    if options.init == "verifier":
+        from tiny_speculators.verifier.load import resolve_verifier
+
+        if inputs.verifier_path is None:
+            raise UserError("eagle3 init 'verifier' reads a verifier layer, but no verifier folder was given")
+        layer = inputs.aux_layer_ids[-1] if options.init_layer is None else options.init_layer
+        n_layers = int(getattr(inputs.verifier_config, "num_hidden_layers", 0))
+        if not 0 <= layer < n_layers:
+            raise UserError(f"eagle3 init_layer {layer} is not a decoder layer of the verifier (0..{n_layers - 1})")
+        init_from_verifier_layer(draft, resolve_verifier(inputs.verifier_path), layer)
+    return draft
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:

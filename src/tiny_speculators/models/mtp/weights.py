@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.verifier.describe import read_prefixed, read_tensors
 
 __all__ = ["mtp_layout", "read_mimo_layer", "read_prefixed", "read_shared", "verifier_folder"]
 
@@ -43,19 +44,6 @@ def _index(folder: Path) -> dict[str, Path]:
     return safetensor_index(folder)
 
 
-def _read(index: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    out: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name in names:
-        by_file.setdefault(index[name], []).append(name)
-    for path, keys in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
-            for key in keys:
-                out[key] = f.get_tensor(key)
-    return out
-
 
 def mtp_layout(folder: Path, num_hidden_layers: int) -> tuple[str, int] | None:
     """``(layout, number of MTP layers)`` found in the verifier's safetensors, or None when it has none."""
@@ -77,14 +65,7 @@ def read_mimo_layer(folder: Path, index: int, names: tuple[str, ...]) -> dict[st
     missing = [n for n in names if prefix + n not in keys]
     if missing:
         raise UserError(f"{folder} lacks MTP tensor(s) {', '.join(prefix + n for n in missing)}")
-    state = _read(keys, [prefix + n for n in names])
-    return {k.removeprefix(prefix): v for k, v in state.items()}
-
-
-def read_prefixed(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
-    """Every tensor whose name starts with ``prefix`` (e.g. ``model.layers.61.``), keyed without it."""
-    keys = _index(folder)
-    state = _read(keys, [k for k in keys if k.startswith(prefix)])
+    state = read_tensors(keys, [prefix + n for n in names])
     return {k.removeprefix(prefix): v for k, v in state.items()}
 
 
@@ -97,5 +78,5 @@ def read_shared(folder: Path, tie_word_embeddings: bool) -> tuple[torch.Tensor, 
     names = [embed] + (["lm_head.weight"] if "lm_head.weight" in keys else [])
     if len(names) == 1 and not tie_word_embeddings:
         raise UserError(f"{folder} has no lm_head.weight and its config does not tie the embeddings")
-    state = _read(keys, names)
+    state = read_tensors(keys, names)
     return state[embed], state.get("lm_head.weight", state[embed])

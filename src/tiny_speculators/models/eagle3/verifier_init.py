@@ -1,0 +1,86 @@
+"""Start an EAGLE-3 draft's decoder layer from one of the verifier's own decoder layers (``eagle3: {init: verifier}``).
+
+The fresh draft then computes, at its first step, that verifier layer on the verifier's state that enters it,
+followed by the verifier's final norm and lm_head: an early exit of the verifier itself, instead of a random
+guess. With verifier layer ``j`` (default: the last aux layer, whose input is aux state ``j``):
+
+    fc                        picks aux state j (identity block; zeros for the other aux states)
+    hidden_norm               <- layer j's input_layernorm      (the draft's norm of the fed-back state)
+    q/k/v_proj[:, H:]         <- layer j's q/k/v_proj           (the state half; the embedding half starts at 0)
+    o_proj, post_attention_layernorm, mlp, q_norm/k_norm, biases  <- layer j's
+    norm                      <- the verifier's final norm       (lm_head rows are copied as always)
+
+Without ``fc_norm``/``norm_before_residual`` that is exact: the fresh draft's step-0 logits are the verifier's
+logits after layer j (tests/models/test_eagle3_verifier_init.py); with them it is the same computation on
+normalized states, which training adapts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiny_speculators.errors import UserError
+from tiny_speculators.models.eagle3.model import Eagle3Draft
+
+__all__ = ["init_from_verifier_layer"]
+
+NORM_KEYS = ("model.norm.weight", "norm.weight", "model.language_model.norm.weight")
+
+
+def _tensors(folder: str, layer: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    from pathlib import Path
+
+    from tiny_speculators.verifier.describe import read_prefixed, read_tensors, safetensor_index
+
+    index = safetensor_index(Path(folder))
+    if not index:
+        raise UserError(f"eagle3 init 'verifier' reads the verifier's decoder layer from its safetensors, and "
+                        f"{folder} has none: pass a local verifier folder, or init 'random'")
+    prefix = next((p for p in (f"model.layers.{layer}.", f"model.language_model.layers.{layer}.")
+                   if any(k.startswith(p) for k in index)), None)
+    norm = next((k for k in NORM_KEYS if k in index), None)
+    if prefix is None or norm is None:
+        raise UserError(f"verifier {folder} has no decoder layer {layer} or final norm in its safetensors "
+                        "(eagle3 init_layer)")
+    return read_prefixed(Path(folder), prefix), read_tensors(index, [norm])[norm]
+
+
+@torch.no_grad()
+def init_from_verifier_layer(draft: Eagle3Draft, folder: str, layer: int) -> None:
+    """Copy verifier decoder layer ``layer`` (and its final norm) into ``draft`` as laid out above."""
+    aux_ids = draft.kwargs.get("aux_layer_ids") or []
+    tensors, final_norm = _tensors(folder, layer)
+    ours = draft.layers[0]
+    h, ht = draft.hidden_size, draft.target_hidden_size
+    plain = {"self_attn.o_proj.weight": ours.self_attn.o_proj.weight,
+             "post_attention_layernorm.weight": ours.post_attention_layernorm.weight,
+             "input_layernorm.weight": ours.hidden_norm.weight,
+             **{f"mlp.{n}_proj.weight": getattr(ours.mlp, f"{n}_proj").weight for n in ("gate", "up", "down")}}
+    for name in ("q_norm", "k_norm"):
+        if getattr(ours.self_attn, name) is not None:
+            plain[f"self_attn.{name}.weight"] = getattr(ours.self_attn, name).weight
+    for name in ("q", "k", "v", "o"):
+        bias = getattr(ours.self_attn, f"{name}_proj").bias
+        if bias is not None:
+            plain[f"self_attn.{name}_proj.bias"] = bias
+    halves = {f"self_attn.{n}_proj.weight": getattr(ours.self_attn, f"{n}_proj").weight for n in ("q", "k", "v")}
+    missing = sorted((set(plain) | set(halves)) - set(tensors))
+    if missing:
+        raise UserError(f"verifier {folder} layer {layer} lacks {', '.join(missing)}: its decoder layer is not "
+                        "the draft's (a llama/qwen3-style layer); use eagle3 init 'random'")
+    for name, param in plain.items():
+        _copy(param, tensors[name], f"layer {layer} {name}")
+    for name, param in halves.items():
+        _copy(param[:, h:], tensors[name], f"layer {layer} {name}")
+        param[:, :h].zero_()
+    _copy(draft.norm.weight, final_norm, "final norm")
+    if ht == h:  # fc picks aux state `layer` (else the last one)
+        block = aux_ids.index(layer) if layer in aux_ids else draft.num_aux - 1
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, block * ht:(block + 1) * ht] = torch.eye(h)
+
+
+def _copy(param: torch.Tensor, value: torch.Tensor, what: str) -> None:
+    if tuple(param.shape) != tuple(value.shape):
+        raise UserError(f"verifier {what} has shape {tuple(value.shape)}, the draft needs {tuple(param.shape)}")
+    param.copy_(value.to(param.dtype))

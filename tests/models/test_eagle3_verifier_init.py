@@ -1,0 +1,58 @@
+"""``eagle3: {init: verifier}``: a fresh draft whose decoder layer is a verifier layer is an early exit of the
+verifier. Without the EAGLE-3.1 norms its first step reproduces the verifier's logits after that layer exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny_speculators.errors import UserError
+from tiny_speculators.models.eagle3.family import Eagle3Options, build
+from tiny_speculators.models.family import BuildInputs
+
+
+def _inputs(folder, verifier, aux: list[int]) -> BuildInputs:
+    vocab = verifier.config.vocab_size
+    t2d = torch.ones(vocab, dtype=torch.bool)  # the whole vocabulary: logits compare one to one
+    return BuildInputs(verifier_config=verifier.config, d2t=torch.zeros(vocab, dtype=torch.long), t2d=t2d,
+                       aux_layer_ids=aux, embed_weight=verifier.get_input_embeddings().weight.detach(),
+                       lm_head_weight=verifier.get_output_embeddings().weight.detach(), verifier_path=str(folder))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("layer", [None, 3])
+def test_fresh_draft_is_the_verifiers_early_exit(arch, layer, tiny_llama_dir, tiny_qwen3_dir):
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_llama_dir if arch == "llama" else tiny_qwen3_dir
+    verifier = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    aux = [2, 4, 5]
+    draft = build(_inputs(folder, verifier, aux), Eagle3Options(init="verifier", init_layer=layer))
+    j = aux[-1] if layer is None else layer
+    ids = torch.randint(0, verifier.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(11)[None].expand(2, -1)
+    with torch.no_grad():
+        states = verifier(ids, output_hidden_states=True).hidden_states  # states[j]: the input of layer j
+        # the verifier's early exit: layer j on states[j], then its final norm and lm_head
+        body = verifier.model
+        cos_sin = body.rotary_emb(states[j], positions)
+        mask = torch.ones(11, 11, dtype=torch.bool).tril()[None, None].expand(2, 1, -1, -1)
+        after = body.layers[j](states[j], attention_mask=torch.where(mask, 0.0, float("-inf")),
+                               position_ids=positions, position_embeddings=cos_sin)
+        after = after[0] if isinstance(after, tuple) else after
+        expected = verifier.lm_head(body.norm(after))
+        aux_states = torch.cat([states[i] for i in aux], dim=-1)
+        if j not in aux:  # fc picks the last aux state: feed layer j's input in its place
+            aux_states = torch.cat([states[i] for i in aux[:-1]] + [states[j]], dim=-1)
+        got = draft(ids, draft.fuse(aux_states), positions).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(draft.layers[0].mlp.down_proj.weight, body.layers[j].mlp.down_proj.weight)
+    assert not draft.layers[0].self_attn.q_proj.weight[:, :draft.hidden_size].any()  # embedding half starts at 0
+
+
+def test_a_layer_the_verifier_lacks_is_a_one_line_error(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    verifier = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with pytest.raises(UserError, match=r"^eagle3 init_layer 8 is not a decoder layer of the verifier \(0\.\.7\)$"):
+        build(_inputs(tiny_llama_dir, verifier, [2, 4, 5]), Eagle3Options(init="verifier", init_layer=8))
