@@ -109,12 +109,9 @@ def verifier_embeddings(name: str) -> torch.Tensor:
 
     source = Path(resolve_verifier(name))
     if source.is_dir():
-        from safetensors import safe_open
-
         files = safetensor_index(source)
         for key in EMBED_NAMES:
             if key in files:
-                with safe_open(str(files[key]), framework="pt") as f:
-                    return f.get_tensor(key).float()
+                return read_tensors(files, [key])[key].float()
     model, _ = load_verifier(name, with_tokenizer=False)  # hub id, .bin weights or an unusual layout
     return model.get_input_embeddings().weight.detach().float().clone()

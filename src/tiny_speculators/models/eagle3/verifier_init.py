@@ -17,6 +17,8 @@ normalized states, which training adapts.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from tiny_speculators.errors import UserError
@@ -28,9 +30,7 @@ NORM_KEYS = ("model.norm.weight", "norm.weight", "model.language_model.norm.weig
 
 
 def _tensors(folder: str, layer: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    from pathlib import Path
-
-    from tiny_speculators.verifier.describe import read_prefixed, read_tensors, safetensor_index
+    from tiny_speculators.verifier.describe import read_tensors, safetensor_index
 
     index = safetensor_index(Path(folder))
     if not index:
@@ -42,7 +42,8 @@ def _tensors(folder: str, layer: int) -> tuple[dict[str, torch.Tensor], torch.Te
     if prefix is None or norm is None:
         raise UserError(f"verifier {folder} has no decoder layer {layer} or final norm in its safetensors "
                         "(eagle3 init_layer)")
-    return read_prefixed(Path(folder), prefix), read_tensors(index, [norm])[norm]
+    state = read_tensors(index, [k for k in index if k.startswith(prefix)] + [norm])
+    return {k.removeprefix(prefix): v for k, v in state.items() if k != norm}, state[norm]
 
 
 @torch.no_grad()

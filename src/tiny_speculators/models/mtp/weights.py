@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.verifier.describe import read_prefixed, read_tensors
+from tiny_speculators.verifier.describe import read_prefixed, read_tensors, safetensor_index
 
 __all__ = ["mtp_layout", "read_mimo_layer", "read_prefixed", "read_shared", "verifier_folder"]
 
@@ -38,16 +38,9 @@ def verifier_folder(name: str) -> Path:
     return folder
 
 
-def _index(folder: Path) -> dict[str, Path]:
-    from tiny_speculators.verifier.describe import safetensor_index
-
-    return safetensor_index(folder)
-
-
-
 def mtp_layout(folder: Path, num_hidden_layers: int) -> tuple[str, int] | None:
     """``(layout, number of MTP layers)`` found in the verifier's safetensors, or None when it has none."""
-    keys = _index(folder)
+    keys = safetensor_index(folder)
     mimo = {int(k.split(".")[2]) for k in keys if k.startswith("model.mtp_layers.")}
     if mimo:
         return "mimo", max(mimo) + 1
@@ -60,7 +53,7 @@ def mtp_layout(folder: Path, num_hidden_layers: int) -> tuple[str, int] | None:
 
 def read_mimo_layer(folder: Path, index: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """The tensors ``names`` of MTP layer ``index`` (MiMo layout), keyed without ``model.mtp_layers.{index}.``."""
-    keys = _index(folder)
+    keys = safetensor_index(folder)
     prefix = f"model.mtp_layers.{index}."
     missing = [n for n in names if prefix + n not in keys]
     if missing:
@@ -71,7 +64,7 @@ def read_mimo_layer(folder: Path, index: int, names: tuple[str, ...]) -> dict[st
 
 def read_shared(folder: Path, tie_word_embeddings: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The verifier's ``(embed_tokens [V, H], lm_head [V, H])`` (the lm_head is the embedding when tied)."""
-    keys = _index(folder)
+    keys = safetensor_index(folder)
     embed = next((k for k in EMBED_KEYS if k in keys), None)
     if embed is None:
         raise UserError(f"{folder} has no token embedding ({' or '.join(EMBED_KEYS)}) in its safetensors")
