@@ -52,7 +52,7 @@ def init_from_verifier_layer(draft: Eagle3Draft, folder: str, layer: int) -> Non
     aux_ids = draft.kwargs.get("aux_layer_ids") or []
     tensors, final_norm = _tensors(folder, layer)
     ours = draft.layers[0]
-    h, ht = draft.hidden_size, draft.target_hidden_size
+    h = draft.hidden_size  # the copies below fail with a one-line error unless it is the verifier's
     plain = {"self_attn.o_proj.weight": ours.self_attn.o_proj.weight,
              "post_attention_layernorm.weight": ours.post_attention_layernorm.weight,
              "input_layernorm.weight": ours.hidden_norm.weight,
@@ -75,10 +75,9 @@ def init_from_verifier_layer(draft: Eagle3Draft, folder: str, layer: int) -> Non
         _copy(param[:, h:], tensors[name], f"layer {layer} {name}")
         param[:, :h].zero_()
     _copy(draft.norm.weight, final_norm, "final norm")
-    if ht == h:  # fc picks aux state `layer` (else the last one)
-        block = aux_ids.index(layer) if layer in aux_ids else draft.num_aux - 1
-        draft.fc.weight.zero_()
-        draft.fc.weight[:, block * ht:(block + 1) * ht] = torch.eye(h)
+    block = aux_ids.index(layer) if layer in aux_ids else draft.num_aux - 1  # fc picks that aux state (or the last)
+    draft.fc.weight.zero_()
+    draft.fc.weight[:, block * h:(block + 1) * h] = torch.eye(h)
 
 
 def _copy(param: torch.Tensor, value: torch.Tensor, what: str) -> None:
