@@ -11,7 +11,7 @@ markdown table, writes ``results.json`` and ``recipe.png`` into ``--work`` (a re
 reused, so an interrupted benchmark continues).
 
 Data: a pipeline run's vocab / extract folders (``--run``, read only), so every recipe trains on the same stored
-hidden states.
+hidden states (``--hidden-states``: another extraction of the same samples, e.g. at other aux layers).
 
     python benchmarks/recipe.py --run runs/smollm2-135m --steps 148 --work /tmp/recipe \
         --recipes kl/adamw/0 kl/muon/0 lk/muon/0.05 ce:0.1+tv:0.9/muon/0.05 kl/adamw/0/dpace
@@ -61,8 +61,9 @@ def parse_recipe(spec: str) -> dict:
 def train_recipe(run: Path, out: Path, recipe: dict, a) -> dict:
     config = out.parent / f"{out.name}.yaml"
     config.write_text(yaml.safe_dump({
-        "verifier": "smollm2-135m", "vocab": str(run / "vocab"), "hidden_states": str(run / "extract"),
-        "out": str(out), "max_steps": a.steps, "batch_tokens": a.batch_tokens, "pack": True, "lr": a.lr,
+        "verifier": "smollm2-135m", "vocab": str(run / "vocab"),
+        "hidden_states": str(a.hidden_states or run / "extract"), "out": str(out), "max_steps": a.steps,
+        "batch_tokens": a.batch_tokens, "pack": True, "lr": a.lr,
         "warmup_steps": min(10, a.steps // 10), "eval_fraction": 0.05, "eval_every": 0, "save_every": 0,
         "seed": a.seed, "progress": False, "algorithm": a.algorithm, **recipe}))
     cmd = [sys.executable, "-m", "tiny_speculators.cli", "train", "--config", str(config)]
@@ -84,6 +85,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", type=Path, default=Path("runs/smollm2-135m"),
                     help="pipeline run dir with vocab/ and extract/ (read only)")
+    ap.add_argument("--hidden-states", type=Path, default=None,
+                    help="an extract folder of the same samples to train on instead of RUN/extract")
     ap.add_argument("--recipes", nargs="+", default=DEFAULT_RECIPES)
     ap.add_argument("--algorithm", default="eagle3")
     ap.add_argument("--steps", type=int, default=148)

@@ -13,7 +13,7 @@ from test_train_invariants import ENV, _assert_same, _cli, _common, _sigterm_whe
 
 from tiny_speculators.cli import main
 from tiny_speculators.errors import UserError
-from tiny_speculators.train.loop import with_aux_noise
+from tiny_speculators.train.loop import with_aux_noise, with_loss_positions
 from tiny_speculators.train.schedule import OptimizerGroup, build_optimizer
 from tiny_speculators.train.stage import train
 
@@ -60,7 +60,7 @@ def test_resume_with_the_whole_recipe_equals_uninterrupted(tiny_inputs, tmp_path
                 torch.testing.assert_close(x["state"][i][key], value, rtol=0, atol=0, msg=key)
     assert summary["recipe"] == {"loss": {"lk": 1.0, "ce": 0.1}, "position_weights": "dpace", "dpace_alpha": 0.5,
                                  "optimizer": "muon", "muon_momentum": 0.95, "muon_weight_decay": 0.1,
-                                 "aux_noise_std": 0.05}
+                                 "aux_noise_std": 0.05, "loss_positions": "answer"}
     meta = json.loads((straight / "step_000004" / "meta.json").read_text())
     assert meta["args"]["optimizer"] == "muon" and meta["args"]["loss"] == {"lk": 1.0, "ce": 0.1}
     # resuming with another optimizer is refused, not silently mixed
@@ -81,6 +81,22 @@ def test_aux_noise_is_seeded_and_only_in_training(tiny_inputs, tmp_path):
                                      eval_fraction=0.25))
     _assert_same(_weights(tmp_path / "a"), _weights(tmp_path / "b"), atol=0)
     assert runs["a"]["final_train"]["loss"] != runs["clean"]["final_train"]["loss"]
+
+
+def test_all_loss_positions_supervise_every_real_token_in_training_only(tiny_inputs, tmp_path):
+    padded = {"loss_mask": torch.tensor([[0, 0, 1, 1], [0, 1, 0, 0]]),
+              "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])}
+    assert with_loss_positions(padded, "answer") is padded
+    assert with_loss_positions(padded, "all")["loss_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert padded["loss_mask"].tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]  # not in place
+    runs = {name: train(**_common(tiny_inputs, tmp_path / name, max_steps=1, batch_size=2, eval_fraction=0.25,
+                                  loss_positions=name))
+            for name in ("answer", "all")}
+    # the same first batch, more of its positions supervised (the chat template and the user's turns) ...
+    assert runs["all"]["final_train"]["positions"] > runs["answer"]["final_train"]["positions"]
+    # ... while validation still counts the answers only
+    assert runs["all"]["final_val"]["positions"] == runs["answer"]["final_val"]["positions"]
+    assert runs["all"]["recipe"]["loss_positions"] == "all"
 
 
 def test_muon_under_ddp_and_fsdp2_matches_one_process_to_bf16(tiny_inputs, tmp_path):

@@ -100,6 +100,16 @@ def with_aux_noise(batch: dict[str, Any], std: float) -> dict[str, Any]:
     return {**batch, "aux_hidden_states": (aux.float() + std * noise).to(aux.dtype)}
 
 
+def with_loss_positions(batch: dict[str, Any], positions: str) -> dict[str, Any]:
+    """The batch whose loss mask marks ``positions``: ``answer`` keeps prepare's mask, ``all`` marks every real
+    token (padding stays out: the attention mask, when the batch is padded)."""
+    if positions == "answer":
+        return batch
+    real = batch.get("attention_mask")
+    mask = torch.ones_like(batch["loss_mask"]) if real is None else (real != 0).to(batch["loss_mask"].dtype)
+    return {**batch, "loss_mask": mask}
+
+
 def _add(stats: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
     for k in stats:
         stats[k] += metrics[k]
@@ -162,7 +172,8 @@ def train_loop(*, cfg: TrainOptions, max_steps: int, info: D.DistInfo, model: nn
                                   batch_tokens=cfg.batch_tokens, micro_per_step=micro_per_step, pack=cfg.pack)
             t0 = time.perf_counter()
             micro = rank_share(plan[state.step_in_epoch], info.rank, info.world_size)
-            batches = [source.batch(idx, info.device, cfg.pack) for idx in micro]
+            batches = [with_loss_positions(source.batch(idx, info.device, cfg.pack), cfg.loss_positions)
+                       for idx in micro]
             # global per-group counts of loss positions -> the normalizer of this optimizer step
             counts = torch.stack([objective.loss_counts(b) for b in batches]).sum(0).float()
             D.all_reduce_sum(counts, info)

@@ -91,6 +91,7 @@ def train(
     muon_momentum: float = 0.95,
     muon_weight_decay: float = 0.1,
     aux_noise_std: float = 0.0,
+    loss_positions: Literal["answer", "all"] = "answer",
     **family_options: Any,
 ) -> dict[str, Any]:
     """Train a draft (EAGLE-3 by default) against a frozen verifier.
@@ -158,6 +159,10 @@ def train(
         muon_weight_decay: Muon's weight decay.
         aux_noise_std: std of Gaussian noise added to the verifier's aux hidden states in training (not in
             validation); drawn from the seeded, checkpointed RNG, so runs and resumes are reproducible.
+        loss_positions: which positions the draft learns from in training: answer (the tokens prepare's loss mask
+            marks, what the assistant writes) or all (every token of every sample, prompts and chat template
+            included: the stored targets are the verifier's own distribution at every position). Validation
+            always measures the answers.
     """
     unknown = sorted(set(family_options) - set(FAMILIES))
     if unknown:
@@ -217,7 +222,7 @@ def train(
         log_every=log_every, progress=progress, trust_remote_code=trust_remote_code,
         loss=dict(loss) if loss else None, position_weights=position_weights, dpace_alpha=dpace_alpha,
         optimizer=optimizer, muon_momentum=muon_momentum, muon_weight_decay=muon_weight_decay,
-        aux_noise_std=aux_noise_std,
+        aux_noise_std=aux_noise_std, loss_positions=loss_positions,
     )
     info = D.setup_distributed(device)
     try:
