@@ -134,7 +134,10 @@ def test_forward_matches_vllm_equations_in_float64_and_fixed_numbers(dense):
     other = ids.clone()  # position 0 ignores its token (embedding zeroed); position 1 does not
     other[0], other[1] = (ids[0] + 1) % 40, (ids[1] + 1) % 40
     logits2 = draft(other[None], draft.fuse(h[None]), pos[None]).logits
-    assert torch.equal(logits2[0, 0], out.logits[0, 0]) and not torch.allclose(logits2[0, 1], out.logits[0, 1])
+    # not bitwise: token 1's new route changes how many rows an expert's matrix product gets, and on some CPUs (an
+    # AMD EPYC host) row 0's result depends on that row count in the last bits
+    torch.testing.assert_close(logits2[0, 0], out.logits[0, 0], atol=1e-6, rtol=0)
+    assert not torch.allclose(logits2[0, 1], out.logits[0, 1])
 
 
 def test_training_rollout_equals_chained_inference():

@@ -17,8 +17,9 @@ SMALL = {"depths": 3, "num_layers": 2}
 
 def test_peagle_ddp_two_processes_equal_one(tiny_inputs, tmp_path):
     # ratio 1: every anchor at every depth, so both runs see the same elements (sampling is per process); two layers
-    # and lr 1e-2 (AdamW) amplify fp32 summation-order noise: measured max difference 3e-6 (atol 1e-5)
-    ddp_equals_one(tiny_inputs, tmp_path, "peagle", {**SMALL, "ratio": 1.0, "ratio_min": 1.0})
+    # and lr 1e-2 (AdamW) amplify fp32 summation-order noise: measured max difference 3e-6 on Intel hosts, 1.6e-5 on
+    # an AMD EPYC host (one element of 8192: Adam dividing by a near-zero gradient's rounding; the rest <= 4e-6)
+    ddp_equals_one(tiny_inputs, tmp_path, "peagle", {**SMALL, "ratio": 1.0, "ratio_min": 1.0}, atol=5e-5)
 
 
 def test_peagle_resume_equals_uninterrupted(tiny_inputs, tmp_path):
