@@ -102,12 +102,10 @@ def with_aux_noise(batch: dict[str, Any], std: float) -> dict[str, Any]:
 
 def with_loss_positions(batch: dict[str, Any], positions: str) -> dict[str, Any]:
     """The batch whose loss mask marks ``positions``: ``answer`` keeps prepare's mask, ``all`` marks every real
-    token (padding stays out: the attention mask, when the batch is padded)."""
+    token (the attention mask, which every batch carries: padding stays out)."""
     if positions == "answer":
         return batch
-    real = batch.get("attention_mask")
-    mask = torch.ones_like(batch["loss_mask"]) if real is None else (real != 0).to(batch["loss_mask"].dtype)
-    return {**batch, "loss_mask": mask}
+    return {**batch, "loss_mask": (batch["attention_mask"] != 0).to(batch["loss_mask"].dtype)}
 
 
 def _add(stats: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
