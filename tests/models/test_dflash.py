@@ -20,6 +20,7 @@ from tiny_speculators.models.dflash.objective import (
     sample_anchors,
     slot_weights,
 )
+from tiny_speculators.models.losses import LossSpec
 
 MASK, AUX = 3, 5  # mask token id; verifier layers fused (tiny H = 16, so aux states are 80 wide)
 WIDTH = AUX * 16
@@ -181,32 +182,51 @@ def test_anchors_are_sampled_per_document_in_training_and_all_in_eval():
     assert bool((full.metrics["count"] >= counts).all()) and full.metrics["count"][0] > counts[0]
 
 
-def test_loss_is_decayed_ce_per_valid_slot():
-    """loss = sum_k exp(-(k-1)/gamma) CE_k / #valid slots, CE to the verifier's argmax (exact recomputation)."""
+def _block_logits(draft, ids, aux, a):
+    block = torch.tensor([int(ids[0, a]), MASK, MASK, MASK])
+    ctx = draft.context(aux[:, :a], torch.arange(a)[None])
+    return draft.compute_logits(draft(block[None], torch.arange(a, a + 4)[None], ctx, None, block_size=4))[0]
+
+
+@pytest.mark.parametrize("weights", ["decay", "aligned"])
+def test_loss_is_decayed_ce_per_valid_slot(weights):
+    """loss = sum_k exp(-(k-1)/gamma) CE_k / #valid slots, CE to the verifier's argmax (exact recomputation);
+    ``aligned``: slot k counts only when the draft's argmax was the verifier's at every slot before it."""
     draft = tiny_dflash(num_layers=1, block_size=4)
+    loss = LossSpec(position_weights=weights)
     head = torch.nn.Linear(16, VOCAB, bias=False)
-    obj = DFlashObjective(draft, head, anchors=100, weighting="exp", gamma=2.0).eval()
+    obj = DFlashObjective(draft, head, anchors=100, weighting="exp", gamma=2.0, loss=loss).eval()
     ids, aux, mask, _ = _batch(b=1, t=10)
-    last = torch.randn(1, 10, 16)
+    last = torch.eye(16)[None, :10]  # row r's verifier logits are head.weight[:, r]
+    with torch.no_grad():  # the verifier takes the draft's guesses at slots 1-2 of anchors 3 and 5: chains go on
+        for a in (3, 5):
+            guess = _block_logits(draft, ids, aux, a).argmax(-1)
+            for k in (1, 2):
+                head.weight[guess[k] + draft.d2t[guess[k]], a + k - 1] = head.weight[:, a + k - 1].max() + 2.0
     batch = {"input_ids": ids, "aux_hidden_states": aux, "loss_mask": mask, "last_hidden_state": last}
     with torch.no_grad():
         out = obj(batch)
         target = head(last[0]).argmax(-1)  # verifier's token for row r = x_{r+1}
         index = torch.full((VOCAB,), -1)
         index[torch.arange(DRAFT_VOCAB) + draft.d2t] = torch.arange(DRAFT_VOCAB)
-        total, count = 0.0, 0
+        total, count, kept, later = 0.0, 0, 0, 0
         for a in range(3, 10):
-            block = torch.tensor([int(ids[0, a]), MASK, MASK, MASK])
-            ctx = draft.context(aux[:, :a], torch.arange(a)[None])
-            logits = draft.compute_logits(draft(block[None], torch.arange(a, a + 4)[None], ctx, None, block_size=4))[0]
+            logits = _block_logits(draft, ids, aux, a)
+            reached = True
             for k in range(1, 4):
                 if a + k < 10:
                     tid = int(index[target[a + k - 1]])
                     ce = -torch.log_softmax(logits[k], -1)[tid] if tid >= 0 else torch.tensor(0.0)
-                    total += math.exp(-(k - 1) / 2.0) * float(ce)
+                    if reached or weights == "decay":
+                        total += math.exp(-(k - 1) / 2.0) * float(ce)
+                        kept += k > 1
                     count += 1
+                    later += k > 1
+                    reached = reached and tid >= 0 and int(logits[k].argmax()) == tid
     assert int(out.metrics["count"].sum()) == count
     assert out.loss.item() == pytest.approx(total / count, rel=1e-5)
+    if weights == "aligned":  # later slots both kept (the planted chains) and dropped
+        assert 0 < kept < later
 
 
 def test_dpace_weights_by_hand():

@@ -18,6 +18,7 @@ from tiny_speculators.models.dspark.family import DSparkOptions, from_dflash
 from tiny_speculators.models.dspark.model import DSparkDraft
 from tiny_speculators.models.dspark.objective import DSparkObjective
 from tiny_speculators.models.dspark.proposer import DSparkProposer, cut_length
+from tiny_speculators.models.losses import LossSpec
 
 RANK = 6
 
@@ -95,43 +96,61 @@ def _verifier_logp(head, last, draft):
     return torch.log_softmax(full[:, cols], -1), index[full.argmax(-1)]
 
 
-@pytest.mark.parametrize("sample_from_anchor", [True, False])
-def test_loss_is_ce_tv_bce_per_valid_prediction(sample_from_anchor):
+def _prediction_logits(draft, ids, aux, a, first, j):
+    block = torch.tensor([int(ids[0, a]), MASK, MASK, MASK])
+    hid = reference_hidden(draft, aux[0, :a], torch.arange(a), block, torch.arange(a, a + 4))
+    return reference_heads(draft, hid[first + j:first + j + 1], [int(ids[0, a + j])])
+
+
+@pytest.mark.parametrize("weights", ["decay", "aligned"])
+@pytest.mark.parametrize("sample_from_anchor", [False, True])
+def test_loss_is_ce_tv_bce_per_valid_prediction(sample_from_anchor, weights):
     """loss = sum_j exp(-j/gamma) (0.1 CE + 0.9 TV + BCE(c, 1 - TV)) / #valid predictions, every block recomputed
-    with the inference forward (context = positions before the anchor, block [x_a, mask...] at a's positions)."""
+    with the inference forward (context = positions before the anchor, block [x_a, mask...] at a's positions);
+    ``aligned``: prediction j counts only when the draft's argmax was the verifier's at every prediction before it."""
     draft = tiny_dspark(block_size=4, sample_from_anchor=sample_from_anchor)
     head = torch.nn.Linear(16, VOCAB, bias=False)
     torch.nn.init.normal_(head.weight, std=0.5)
-    obj = DSparkObjective(draft, head, anchors=100, gamma=2.0).eval()
+    obj = DSparkObjective(draft, head, anchors=100, gamma=2.0, loss=LossSpec(position_weights=weights)).eval()
     ids, aux, mask, _ = _batch(b=1, t=11)
     mask[0, 8] = 0  # a gap: predictions past it do not count (contiguous prefix)
-    last = torch.randn(1, 11, 16)
-    batch = {"input_ids": ids, "aux_hidden_states": aux, "loss_mask": mask, "last_hidden_state": last}
+    last = torch.eye(16)[None, :11]  # row r's verifier logits are head.weight[:, r]
     n_pred, first = (4, 0) if sample_from_anchor else (3, 1)
+    with torch.no_grad():  # the verifier takes the draft's guesses at predictions 0-1 of anchors 3 and 4
+        for a in (3, 4):
+            for j in (0, 1):
+                guess = int(_prediction_logits(draft, ids, aux, a, first, j)[0].argmax())
+                head.weight[guess + draft.d2t[guess], a + j] = head.weight[:, a + j].max() + 2.0
+    batch = {"input_ids": ids, "aux_hidden_states": aux, "loss_mask": mask, "last_hidden_state": last}
     with torch.no_grad():
         out = obj(batch)
         logp, target = _verifier_logp(head, last[0], draft)
-        total, count = 0.0, 0
+        total, count, kept, later = 0.0, 0, 0, 0
         for a in range(3, 11):
             if not (mask[0, a] and a + 1 < 11 and mask[0, a + 1]):
                 continue
-            block = torch.tensor([int(ids[0, a]), MASK, MASK, MASK])
-            hid = reference_hidden(draft, aux[0, :a], torch.arange(a), block, torch.arange(a, a + 4))
+            reached = True
             for j in range(n_pred):
                 t = a + j + 1
                 if t >= 11 or not bool(mask[0, a + 1:t + 1].all()):
                     break
-                logits, conf = reference_heads(draft, hid[first + j:first + j + 1], [int(ids[0, t - 1])])
+                logits, conf = _prediction_logits(draft, ids, aux, a, first, j)
                 logq = torch.log_softmax(logits[0], -1)
                 tid = int(target[t - 1])
                 ce = -float(logq[tid]) if tid >= 0 else 0.0
                 tv = 0.5 * float((logq.exp() - logp[t - 1].exp()).abs().sum())
                 c = float(conf[0])
                 bce = -((1 - tv) * math.log(c) + tv * math.log(1 - c))
-                total += math.exp(-j / 2.0) * (0.1 * ce + 0.9 * tv + bce)
+                if reached or weights == "decay":
+                    total += math.exp(-j / 2.0) * (0.1 * ce + 0.9 * tv + bce)
+                    kept += j > 0
                 count += 1
+                later += j > 0
+                reached = reached and tid >= 0 and int(logq.argmax()) == tid
     assert int(out.metrics["count"].sum()) == count >= 10
     assert out.loss.item() == pytest.approx(total / count, rel=1e-4)
+    if weights == "aligned":  # later predictions both kept (the planted chains) and dropped
+        assert 0 < kept < later
 
 
 def test_training_step_reaches_every_head():

@@ -1,6 +1,6 @@
-"""models/losses.py: every loss term, their weighted combinations, LK and D-PACE, chunked, against a direct unchunked
-reference written from the definitions (full softmaxes, explicit loops), on dense and top-k verifier targets:
-same loss, same gradients, whatever the chunk size."""
+"""models/losses.py: every loss term, their weighted combinations, LK, D-PACE and the aligned mask, chunked,
+against a direct unchunked reference written from the definitions (full softmaxes, explicit loops), on dense and
+top-k verifier targets: same loss, same gradients, whatever the chunk size."""
 
 from __future__ import annotations
 
@@ -70,6 +70,7 @@ def reference(draft, hidden, valid, logits, topk, spec: LossSpec, decay: float) 
             if valid[k, a]:
                 q = F.softmax(draft.compute_logits(hidden[k][a][None]).float()[0], dim=-1)
                 per[a, k] = _terms(p_all[a + k + 1], q, int(argmax[a + k + 1]))
+                per[a, k]["right"] = bool(draft.to_target_ids(q.argmax()) == logits[a + k + 1].argmax())
     lam = {}
     for k in range(K):
         alphas = [1 - per[a, k]["tv"].detach() for a in range(N) if (a, k) in per and per[a, k]["has"]]
@@ -85,6 +86,8 @@ def reference(draft, hidden, valid, logits, topk, spec: LossSpec, decay: float) 
                         for name, w in spec.terms)
             if spec.position_weights == "decay":
                 weight = decay**k
+            elif spec.position_weights == "aligned":  # decoding reaches step k only if every earlier step was right
+                weight = decay**k if all(per[a, i]["right"] for i in range(k) if (a, i) in per) else 0.0
             else:  # D-PACE along the anchor's chain: sum_{j>=k} prod_{i<=j} smoothed q_i, over valid steps
                 smooth = {i: (1 - spec.dpace_alpha) * math.exp(-per[a, i]["ce"].item()) + spec.dpace_alpha
                           for i in range(K) if (a, i) in per}
@@ -116,6 +119,47 @@ def test_chunked_losses_equal_the_direct_reference(terms, topk, weights):
     for a, b in zip(h1, h2, strict=True):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-4)
     assert loss.item() > 0
+
+
+def _plant_draft_guesses(draft, hidden, valid, logits, seed: int) -> torch.Tensor:
+    """The verifier's logits with the draft's own argmax made the verifier's at about half the targets, so that
+    chains continue past step 0 and the aligned mask both keeps and drops later steps."""
+    g = torch.Generator().manual_seed(seed)
+    logits = logits.clone()
+    with torch.no_grad():
+        for k in range(K):
+            guess = draft.to_target_ids(draft.compute_logits(hidden[k]).argmax(dim=-1))
+            for a in range(N):
+                if valid[k, a] and torch.rand((), generator=g) < 0.6:
+                    logits[a + k + 1, guess[a]] = logits[a + k + 1].max() + 2.0
+    return logits
+
+
+@pytest.mark.parametrize("topk", [None, 4])
+@pytest.mark.parametrize("terms", [{"kl": 1.0}, {"lk": 1.0}, {"ce": 0.1, "tv": 0.9}], ids=lambda t: "+".join(t))
+def test_aligned_weights_drop_the_steps_after_a_miss_like_the_direct_reference(terms, topk):
+    spec = LossSpec.from_mapping(terms, position_weights="aligned")
+    d1, d2 = fixed_init(Eagle3Draft(**tiny_kwargs())), fixed_init(Eagle3Draft(**tiny_kwargs()))
+    hidden, valid, logits, _ = _case(seed=3, topk=None)
+    logits = _plant_draft_guesses(d1, hidden, valid, logits, seed=4)
+    values, ids = logits.topk(topk or 1, dim=-1)
+    targets = DenseTargets(logits) if topk is None else TopKTargets(ids, values, VOCAB)
+    h1 = [h.clone().requires_grad_() for h in hidden]
+    h2 = [h.clone().requires_grad_() for h in hidden]
+    out = chunked_step_losses(d1, h1, valid, targets, spec, decay=0.7, chunk_size=5, checkpoint=True)
+    loss = (out.weighted / valid.sum(dim=1).clamp(min=1)).sum()
+    ref = reference(d2, h2, valid, logits, topk, spec, decay=0.7)
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    loss.backward()
+    ref.backward()
+    torch.testing.assert_close(d1.lm_head.weight.grad, d2.lm_head.weight.grad, atol=1e-6, rtol=1e-4)
+    for a, b in zip(h1, h2, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-4)
+    reached = torch.cumprod(out.correct | ~valid, dim=0)  # the mask is not trivial: later steps kept and dropped
+    assert bool((valid[1] & reached[0]).any()) and bool((valid[1] & ~reached[0]).any())
+    unmasked = chunked_step_losses(d1, hidden, valid, targets, LossSpec.from_mapping(terms), decay=0.7)
+    assert float(out.weighted[1].detach()) < float(unmasked.weighted[1])
+    torch.testing.assert_close(out.weighted[0], unmasked.weighted[0])  # the first step is always reached
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 100])

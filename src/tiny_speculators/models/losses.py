@@ -17,10 +17,14 @@ A :class:`LossSpec` names the terms and their weights (``{kl: 1.0}``, ``{ce: 0.1
 
 Rows whose verifier distribution is empty (a top-k row with no draft token) add nothing to any term but ``ce``.
 
-Per-position weights: ``decay`` (each family's fixed schedule: ``decay**k``) or ``dpace`` (D-PACE, arXiv
+Per-position weights: ``decay`` (each family's fixed schedule: ``decay**k``), ``dpace`` (D-PACE, arXiv
 2605.18810): ``w_k = sum_{j>=k} prod_{i<=j} ((1 - a) q_i + a)`` along each chain (an anchor's TTT steps, a
 block's slots), ``q_i = exp(-ce_i)`` the draft's probability of the verifier's token, ``a = dpace_alpha``, no
-gradient through the weights: the derivative of the smoothed expected acceptance length by each ``log q_k``.
+gradient through the weights: the derivative of the smoothed expected acceptance length by each ``log q_k``; or
+``aligned`` (GRIFFIN's token-alignable training, arXiv 2502.11018, in its chain-decoding form): the fixed schedule,
+times 0 where the draft's argmax missed the verifier's at an earlier position of the same chain. Decoding never
+reaches such a position (the chain was rejected before it), and a TTT step there reads features computed from a
+wrong guess; the mask leaves the draft's capacity to the positions decoding can accept.
 
 Memory: :func:`chunked_step_losses` walks target rows in chunks like EAGLE-3's KL always did: each chunk's verifier
 distribution once, each (chunk, step) draft-logit block recomputed in backward, so no ``[K, N, V]`` tensor exists.
@@ -43,11 +47,13 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as grad_checkpoint
 
 LOSSES = ("kl", "rkl", "jsd", "tv", "ce", "lk")
+POSITION_WEIGHTS = ("decay", "dpace", "aligned")
 LK_ETA = 3.0
 LOGP_FLOOR = -30.0
 
-__all__ = ["LOSSES", "DenseTargets", "LossSpec", "SparseLogp", "StepLosses", "TargetSource", "TopKTargets",
-           "chunked_step_losses", "combine_terms", "dpace_weights", "row_columns", "rowwise_losses"]
+__all__ = ["LOSSES", "POSITION_WEIGHTS", "DenseTargets", "LossSpec", "SparseLogp", "StepLosses", "TargetSource",
+           "TopKTargets", "all_before", "chunked_step_losses", "combine_terms", "dpace_weights", "row_columns",
+           "rowwise_losses"]
 SPARSE_COLUMNS = frozenset({"kl", "ce"})  # the columns a sparse (top-k) verifier distribution can give
 
 
@@ -56,7 +62,7 @@ class LossSpec:
     """Which loss terms with which weights, and how positions are weighted (module docstring)."""
 
     terms: tuple[tuple[str, float], ...] | None = None  # None: the family's own default (resolved())
-    position_weights: Literal["decay", "dpace"] = "decay"
+    position_weights: Literal["decay", "dpace", "aligned"] = "decay"
     dpace_alpha: float = 0.5
 
     def __post_init__(self) -> None:
@@ -69,8 +75,9 @@ class LossSpec:
         weights = [w for _, w in self.terms or ()]
         if self.terms is not None and (any(w < 0 or not math.isfinite(w) for w in weights) or not any(weights)):
             raise ValueError(f"loss weights must be finite, >= 0 and not all 0, got {dict(self.terms)}")
-        if self.position_weights not in ("decay", "dpace"):
-            raise ValueError(f"position_weights must be decay or dpace, got {self.position_weights!r}")
+        if self.position_weights not in POSITION_WEIGHTS:
+            raise ValueError(f"position_weights must be one of {', '.join(POSITION_WEIGHTS)}, "
+                             f"got {self.position_weights!r}")
         if not 0 <= self.dpace_alpha <= 1:
             raise ValueError(f"dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
 
@@ -284,6 +291,14 @@ def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.
         return torch.flip(torch.cumsum(torch.flip(prefix * m, [1]), 1), [1]) * m
 
 
+def all_before(correct: torch.Tensor, valid: torch.Tensor, dim: int) -> torch.Tensor:
+    """True where every earlier position along ``dim`` of the chain was predicted right (positions that are not
+    ``valid`` count as right): the positions decoding reaches, and where ``aligned`` weights keep the loss."""
+    chain = torch.cumprod((correct | ~valid).int(), dim=dim).bool()
+    first = torch.ones_like(chain.narrow(dim, 0, 1))
+    return torch.cat([first, chain.narrow(dim, 0, chain.shape[dim] - 1)], dim=dim)
+
+
 def _block(draft, hidden: torch.Tensor, target_logp: torch.Tensor, target_draft_id: torch.Tensor,
            columns: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     logq = F.log_softmax(draft.compute_logits(hidden).float(), dim=-1)  # (n, Vd)
@@ -317,7 +332,7 @@ def chunked_step_losses(draft, hidden: list[torch.Tensor], valid: torch.Tensor, 
         hidden: K pre-norm draft outputs, each ``[N, H]`` (flattened ``B*T`` anchors).
         valid: ``[K, N]`` bool, step k at anchor n has a target (its target row is ``n + k + 1``).
         targets: the verifier's distribution per row (:class:`DenseTargets` or :class:`TopKTargets`).
-        decay: step k's weight ``decay**k`` when ``spec.position_weights == "decay"``.
+        decay: step k's weight ``decay**k`` when ``spec.position_weights`` is ``decay`` (``aligned``: the same, masked).
     """
     steps, n = valid.shape
     device = valid.device
@@ -362,6 +377,8 @@ def chunked_step_losses(draft, hidden: list[torch.Tensor], valid: torch.Tensor, 
                 ce[anchors_of[k], k] = cols[:, columns.index("ce")].detach()
     if spec.position_weights == "dpace":
         weights = dpace_weights(ce, valid.T, spec.dpace_alpha)  # (N, K)
+    elif spec.position_weights == "aligned":
+        weights = (decay ** torch.arange(steps, device=device))[None, :] * all_before(correct, valid, 0).T  # (N, K)
     weighted, sums = [], []
     for k in range(steps):
         if combined[k] is None:
@@ -373,7 +390,7 @@ def chunked_step_losses(draft, hidden: list[torch.Tensor], valid: torch.Tensor, 
             weighted.append(zero)
             sums.append(torch.zeros((), device=device))
             continue
-        w = weights[anchors_of[k], k] if spec.position_weights == "dpace" else decay**k
+        w = decay**k if spec.position_weights == "decay" else weights[anchors_of[k], k]
         weighted.append((w * combined[k]).sum())
         sums.append(combined[k].detach().sum())
     return StepLosses(weighted=torch.stack(weighted), sums=torch.stack(sums), correct=correct)

@@ -85,7 +85,7 @@ def train(
     progress: bool = True,
     trust_remote_code: bool = False,
     loss: dict[str, float] | None = None,
-    position_weights: Literal["decay", "dpace"] = "decay",
+    position_weights: Literal["decay", "dpace", "aligned"] = "decay",
     dpace_alpha: float = 0.5,
     optimizer: Literal["adamw", "muon"] = "adamw",
     muon_momentum: float = 0.95,
@@ -149,8 +149,9 @@ def train(
         loss: loss terms and their weights (models/losses.py), e.g. {kl: 1.0} or {ce: 0.1, tv: 0.9}
             (--loss kl=1.0 / --loss ce=0.1 tv=0.9): kl, rkl, jsd, tv, ce (to the verifier's argmax), lk (LK hybrid,
             lam*KL + (1-lam)*TV with lam = exp(-3*alpha)); default: the family's own (forward KL; DFlash: ce).
-        position_weights: decay (each family's fixed per-position decay) or dpace (D-PACE: weights from the draft's
-            current per-position acceptance, along each chain).
+        position_weights: decay (each family's fixed per-position decay), dpace (D-PACE: weights from the draft's
+            current per-position acceptance, along each chain) or aligned (GRIFFIN's token-alignable training: the
+            fixed decay, masked to 0 after a position where the draft's argmax missed the verifier's).
         dpace_alpha: D-PACE smoothing: each position's acceptance is (1 - a) * q + a.
         optimizer: adamw, or muon (torch.optim.Muon on the 2-D hidden weight matrices, AdamW on embeddings,
             lm_head, norms and biases; both at lr). Muon's Newton-Schulz runs in bf16, so DDP / FSDP2 runs (FSDP2:

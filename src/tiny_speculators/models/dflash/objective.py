@@ -33,6 +33,7 @@ from tiny_speculators.models.losses import (
     DenseTargets,
     LossSpec,
     TopKTargets,
+    all_before,
     combine_terms,
     dpace_weights,
     rowwise_losses,
@@ -222,8 +223,11 @@ class DFlashObjective(nn.Module):
         ce = hidden.new_zeros(valid.shape, dtype=torch.float32).index_put(sel, ce_flat)  # (B, N, L) for D-PACE
         per = hidden.new_zeros(valid.shape, dtype=torch.float32).index_put(sel, rows_loss)  # (B, N, L)
         correct = torch.zeros_like(valid).index_put(sel, (pred_flat == target) & (target >= 0))
+        before = all_before(correct, valid, 2)  # all slots < k right (or not counted)
         weights = slot_weights(ce.view(-1, size), valid.view(-1, size), self.weighting, self.gamma,
                                self.dpace_alpha).view_as(ce)
+        if self.loss.position_weights == "aligned":  # only where decoding reaches the slot
+            weights = weights * before
         wloss = (weights * per).sum(dim=(0, 1))[1:]  # (L-1,)
         counts = valid.sum(dim=(0, 1))[1:]
         denom = loss_normalizer.to(ids.device).float().sum() if loss_normalizer is not None else counts.sum().float()
@@ -231,8 +235,6 @@ class DFlashObjective(nn.Module):
         if not rows_loss.requires_grad and torch.is_grad_enabled():  # no valid slot: keep every parameter in the graph
             loss = loss + 0.0 * (self.draft.compute_logits(hidden[:, :1, 0]).float().sum()
                                  + sum(kv[0].sum() + kv[1].sum() for kv in context))
-        chain = torch.cumprod((correct | ~valid).int(), dim=2).bool()  # all slots up to k right (or not counted)
-        before = torch.cat([torch.ones_like(chain[..., :1]), chain[..., :-1]], dim=2)  # all slots < k right
         cond_count = (valid & before).sum(dim=(0, 1))[1:]
         cond_correct = (valid & before & correct).sum(dim=(0, 1))[1:]
         metrics = {"loss_sum": per.detach().sum(dim=(0, 1))[1:], "wloss_sum": wloss.detach(), "count": counts,

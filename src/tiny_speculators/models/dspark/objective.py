@@ -37,6 +37,7 @@ from tiny_speculators.models.dspark.model import DSparkDraft
 from tiny_speculators.models.family import StepOutput
 from tiny_speculators.models.losses import (
     LossSpec,
+    all_before,
     combine_terms,
     dpace_weights,
     row_columns,
@@ -158,8 +159,12 @@ class DSparkObjective(nn.Module):
         pred = scatter(pred_flat, torch.long)
         target = torch.full(grid, -1, dtype=torch.long, device=ids.device).index_put(
             sel, torch.cat(targets) if targets else torch.zeros(0, dtype=torch.long, device=ids.device))
+        correct = valid & (pred == target) & (target >= 0)
+        before = all_before(correct, valid, 2)  # all predictions < j right
         if self.loss.position_weights == "dpace":  # along each block's chain of predictions, from its CE (no grad)
             weights = dpace_weights(ce.view(-1, n_pred), valid.view(-1, n_pred), self.loss.dpace_alpha).view(grid)
+        elif self.loss.position_weights == "aligned":  # only where decoding reaches the prediction
+            weights = weights * before
         w = weights[sel]
         counts = valid.sum(dim=(0, 1))  # (P,)
         denom = loss_normalizer.to(ids.device).float().sum() if loss_normalizer is not None else counts.sum().float()
@@ -170,9 +175,6 @@ class DSparkObjective(nn.Module):
                                          torch.zeros(b, dtype=torch.long, device=ids.device))
             loss = 0.0 * (logits0.sum() + (conf0.sum() if conf0 is not None else 0.0)
                           + sum(kv[0].sum() + kv[1].sum() for kv in context))
-        correct = valid & (pred == target) & (target >= 0)
-        chain = torch.cumprod((correct | ~valid).int(), dim=2).bool()
-        before = torch.cat([torch.ones_like(chain[..., :1]), chain[..., :-1]], dim=2)  # all predictions < j right
         per_slot = scatter(token_flat) + self.confidence_weight * bce
         metrics = {"wloss_sum": (weights * per_slot * valid).sum(dim=(0, 1)), "count": counts,
                    "ce_sum": ce.sum(dim=(0, 1)), "tv_sum": tv.sum(dim=(0, 1)), "bce_sum": bce.sum(dim=(0, 1)),
