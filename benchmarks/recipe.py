@@ -4,7 +4,8 @@ A recipe is ``LOSS/OPTIMIZER/NOISE[/WEIGHTS][/OVERRIDES]``: ``LOSS`` is ``term[:
 ``ce:0.1+tv:0.9``, ``lk``; terms from ``models/losses.py``), ``OPTIMIZER`` ``adamw`` or ``muon``, ``NOISE`` the std
 of the Gaussian noise on the verifier's aux states, ``WEIGHTS`` ``decay`` (default), ``dpace`` or ``aligned``,
 ``OVERRIDES`` other train options as ``key=value`` joined by ``,`` (YAML values; ``a.b=v`` nests:
-``precision=bf16,lr=0.002``, ``batch_tokens=1024,max_steps=810``, ``eagle3.decay=1.0``). For each recipe:
+``precision=bf16,lr=0.002``, ``batch_tokens=1024,max_steps=810``, ``eagle3.decay=1.0``,
+``freeze=[lm_head,layers.0.mlp]``). For each recipe:
 train offline (a subprocess), export, evaluate with real speculative decoding on the held-out built-in prompts at
 k = 3 (``--ks``): held-out τ; plus train and validation accuracy per draft step and training seconds. Prints a
 markdown table, writes ``results.json`` and ``recipe.png`` into ``--work`` (a recipe already measured there is
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -41,7 +43,7 @@ def parse_recipe(spec: str) -> dict:
     parts = spec.split("/")
     overrides: dict = {}
     if len(parts) > 3 and "=" in parts[-1]:
-        for item in parts.pop().split(","):
+        for item in re.split(r",(?![^\[]*\])", parts.pop()):  # commas inside [..] belong to a YAML list
             key, _, value = item.partition("=")
             *outer, last = key.split(".")
             node = overrides

@@ -1,6 +1,7 @@
-"""The training recipe's options (loss, position weights, Muon, aux-state noise) through the real loop: Muon takes the
-hidden matrices, a SIGTERM + resume run with all of them equals an uninterrupted one exactly (Muon momentum and AdamW
-moments included), the noise is seeded, Muon runs under DDP and FSDP2, and the choices are recorded and validated."""
+"""The training recipe's options (loss, position weights, Muon, aux-state noise, frozen weights) through the real
+loop: Muon takes the hidden matrices, a SIGTERM + resume run with all of them equals an uninterrupted one exactly (Muon
+momentum and AdamW moments included), the noise is seeded, Muon runs under DDP and FSDP2, frozen weights stay put, and
+the choices are recorded and validated."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def test_resume_with_the_whole_recipe_equals_uninterrupted(tiny_inputs, tmp_path
                 torch.testing.assert_close(x["state"][i][key], value, rtol=0, atol=0, msg=key)
     assert summary["recipe"] == {"loss": {"lk": 1.0, "ce": 0.1}, "position_weights": "dpace", "dpace_alpha": 0.5,
                                  "optimizer": "muon", "muon_momentum": 0.95, "muon_weight_decay": 0.1,
-                                 "aux_noise_std": 0.05, "loss_positions": "answer"}
+                                 "aux_noise_std": 0.05, "loss_positions": "answer", "freeze": None}
     meta = json.loads((straight / "step_000004" / "meta.json").read_text())
     assert meta["args"]["optimizer"] == "muon" and meta["args"]["loss"] == {"lk": 1.0, "ce": 0.1}
     # resuming with another optimizer is refused, not silently mixed
@@ -97,6 +98,20 @@ def test_all_loss_positions_supervise_every_real_token_in_training_only(tiny_inp
     # ... while validation still counts the answers only
     assert runs["all"]["final_val"]["positions"] == runs["answer"]["final_val"]["positions"]
     assert runs["all"]["recipe"]["loss_positions"] == "all"
+
+
+def test_frozen_parameters_keep_their_values_and_the_rest_trains(tiny_inputs, tmp_path):
+    out = tmp_path / "frozen"
+    summary = train(**_common(tiny_inputs, out, max_steps=2, batch_size=2, save_every=1, keep_last=0,
+                              freeze=["lm_head", "layers.0.mlp"]))
+    first, second = _weights(out, "step_000001"), _weights(out, "step_000002")
+    frozen = {k for k in first if k.startswith(("lm_head.", "layers.0.mlp."))}
+    assert len(frozen) == 4  # lm_head + gate, up, down
+    for k in first:
+        assert torch.equal(first[k], second[k]) == (k in frozen or k.startswith(("embed_tokens.", "d2t", "t2d"))), k
+    assert summary["recipe"]["freeze"] == ["lm_head", "layers.0.mlp"]
+    with pytest.raises(UserError, match=r"--freeze layers.0.mpl: the draft has no parameter of that name \(trainable"):
+        train(**_common(tiny_inputs, tmp_path / "typo", max_steps=1, batch_size=2, freeze=["layers.0.mpl"]))
 
 
 def test_muon_under_ddp_and_fsdp2_matches_one_process_to_bf16(tiny_inputs, tmp_path):

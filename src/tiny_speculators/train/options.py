@@ -64,10 +64,11 @@ class TrainOptions:
     muon_weight_decay: float = 0.1
     aux_noise_std: float = 0.0
     loss_positions: str = "answer"
+    freeze: list[str] | None = None
 
     # the training recipe: what a summary reports next to the family's options
     RECIPE_KEYS = ("loss", "position_weights", "dpace_alpha", "optimizer", "muon_momentum", "muon_weight_decay",
-                   "aux_noise_std", "loss_positions")
+                   "aux_noise_std", "loss_positions", "freeze")
 
     # what a checkpoint records and a resume compares (the data order depends on these)
     ORDER_KEYS = ("batch_size", "batch_tokens", "pack", "grad_accum", "seed")

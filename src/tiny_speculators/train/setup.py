@@ -234,6 +234,19 @@ def _initial_draft(opts: TrainOptions, family: DraftFamily, head, aux: list[int]
     return draft
 
 
+def freeze_parameters(draft: nn.Module, names: list[str]) -> None:
+    """No gradient for the parameters named ``names`` or under them (``lm_head``, ``layers.0.mlp``); the optimizer
+    then leaves them out, and a checkpoint still holds them."""
+    params = dict(draft.named_parameters())
+    for name in names:
+        hits = [p for n, p in params.items() if n == name or n.startswith(name + ".")]
+        if not hits:
+            tops = sorted({n.rsplit(".", 1)[0] for n, p in params.items() if p.requires_grad})
+            raise UserError(f"--freeze {name}: the draft has no parameter of that name (trainable: {', '.join(tops)})")
+        for p in hits:
+            p.requires_grad_(False)
+
+
 def build_run(info: D.DistInfo, opts: TrainOptions, family: DraftFamily, engines: contextlib.ExitStack) -> Run:
     """``engines`` owns what the run starts (vLLM producers, a Mooncake master): closing it stops them."""
     from tiny_speculators.data.vocab import load_vocab
@@ -247,6 +260,7 @@ def build_run(info: D.DistInfo, opts: TrainOptions, family: DraftFamily, engines
         d2t, t2d = load_vocab(opts.vocab)
         d2t, t2d = torch.as_tensor(d2t), torch.as_tensor(t2d)
     draft = _initial_draft(opts, family, head, aux, d2t, t2d)
+    freeze_parameters(draft, opts.freeze or [])
     head.target_head.to(info.device)
     draft.to(info.device)
     objective = family.objective(draft, head.target_head, opts.family, opts.attention, loss=opts.loss_spec())

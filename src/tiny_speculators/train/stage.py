@@ -92,6 +92,7 @@ def train(
     muon_weight_decay: float = 0.1,
     aux_noise_std: float = 0.0,
     loss_positions: Literal["answer", "all"] = "answer",
+    freeze: list[str] | None = None,
     **family_options: Any,
 ) -> dict[str, Any]:
     """Train a draft (EAGLE-3 by default) against a frozen verifier.
@@ -164,6 +165,9 @@ def train(
             marks, what the assistant writes) or all (every token of every sample, prompts and chat template
             included: the stored targets are the verifier's own distribution at every position). Validation
             always measures the answers.
+        freeze: draft parameters kept at their initial values (no gradient, not in the optimizer), by name or name
+            prefix, e.g. lm_head (the verifier's own rows when init_lm_head) or layers.0.mlp (the verifier's layer
+            with the family's verifier init): fewer weights to fit the same data.
     """
     unknown = sorted(set(family_options) - set(FAMILIES))
     if unknown:
@@ -223,7 +227,7 @@ def train(
         log_every=log_every, progress=progress, trust_remote_code=trust_remote_code,
         loss=dict(loss) if loss else None, position_weights=position_weights, dpace_alpha=dpace_alpha,
         optimizer=optimizer, muon_momentum=muon_momentum, muon_weight_decay=muon_weight_decay,
-        aux_noise_std=aux_noise_std, loss_positions=loss_positions,
+        aux_noise_std=aux_noise_std, loss_positions=loss_positions, freeze=list(freeze) if freeze else None,
     )
     info = D.setup_distributed(device)
     try:
