@@ -110,6 +110,9 @@ def test_frozen_parameters_keep_their_values_and_the_rest_trains(tiny_inputs, tm
     for k in first:
         assert torch.equal(first[k], second[k]) == (k in frozen or k.startswith(("embed_tokens.", "d2t", "t2d"))), k
     assert summary["recipe"]["freeze"] == ["lm_head", "layers.0.mlp"]
+    args = _common(tiny_inputs, out, max_steps=3, batch_size=2, save_every=1, keep_last=0, resume=True)
+    with pytest.raises(UserError, match=r"trained with --freeze lm_head layers.0.mlp; resume with the same"):
+        train(**args)  # the optimizer holds the trained parameters only: another set cannot resume it
     with pytest.raises(UserError, match=r"--freeze layers.0.mpl: the draft has no parameter of that name \(trainable"):
         train(**_common(tiny_inputs, tmp_path / "typo", max_steps=1, batch_size=2, freeze=["layers.0.mpl"]))
 

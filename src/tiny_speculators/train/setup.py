@@ -99,6 +99,9 @@ class Run:
         if recorded.get("optimizer", "adamw") != self.opts.optimizer:
             raise UserError(f"{folder} was trained with --optimizer {recorded.get('optimizer', 'adamw')}; resume with "
                             f"it (this run says {self.opts.optimizer})")
+        if (recorded.get("freeze") or None) != (self.opts.freeze or None):  # the optimizer holds the trained ones only
+            raise UserError(f"{folder} was trained with --freeze {' '.join(recorded.get('freeze') or []) or '(none)'}; "
+                            f"resume with the same (this run says {' '.join(self.opts.freeze or []) or '(none)'})")
         for key in (*TrainOptions.ORDER_KEYS, "algorithm", self.opts.algorithm):
             if recorded.get(key) != current.get(key):
                 log.warning("resuming with %s=%s but the checkpoint used %s: the run will differ",
