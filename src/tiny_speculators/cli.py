@@ -59,7 +59,7 @@ SECTION_SEP = "__"  # dest of a section flag: "<section>__<option>"
 
 
 def _add_sections(parser: argparse.ArgumentParser, func) -> None:
-    """``--<section>-<option>`` flags for each option section of ``func`` (e.g. ``--eagle3-ttt-steps``)."""
+    """``--<section>-<option>`` flags for each option section of ``func`` (``--<family>-<option>``)."""
     for section, options_type in option_sections(func).items():
         group = parser.add_argument_group(f"{section} options", getattr(options_type, "__doc__", "").split("\n")[0])
         docs = param_docs(options_type)

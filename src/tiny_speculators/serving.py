@@ -11,7 +11,7 @@ is reported as one line taken from that log.
     from tiny_speculators.serving import VllmServer, vllm_python
     with VllmServer(vllm_python(), "/path/to/verifier", log_path=Path("serve.log"),
                     speculative_config={"model": "runs/x/export", "num_speculative_tokens": 3,
-                                        "method": "eagle3"}) as server:
+                                        "method": "<the family's>"}) as server:
         print(server.url)   # http://127.0.0.1:PORT, answering /health
 """
 

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 def read_draft(draft: Path) -> dict[str, Any]:
     """method, k and the verifier of an exported draft, and the ``--speculative-config`` its family's format gives
     vLLM (``spec(k)``). k: what the draft's config records, else export's ``summary.json``, else 1. A format
-    that is a whole verifier with the draft inside (e.g. a stitched MTP checkpoint) is itself what vLLM serves."""
+    that is a whole verifier with the draft inside (a stitched checkpoint) is itself what vLLM serves."""
     from tiny_speculators.models.importing import detect_format
 
     folder = Path(draft)
@@ -257,7 +257,7 @@ def benchmark(
         tokenizer = verifier_path
         model = verifier or info["verifier"] or verifier_path
         served_k = k or info["k"]
-        spec_config = info["spec"](served_k)  # the family's own (P-EAGLE: eagle3 + parallel_drafting)
+        spec_config = info["spec"](served_k)  # the family's own speculative config
         server_options = dict(served_model_name=model, dtype=dtype, max_model_len=max_model_len,
                               enforce_eager=enforce_eager, kv_cache_gb=kv_cache_gb, startup_timeout=startup_timeout)
         sides = [("draft", spec_config)] + ([("baseline", None)] if baseline else [])

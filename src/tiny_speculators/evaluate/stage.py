@@ -1,8 +1,8 @@
 """The ``evaluate`` stage: real speculative decoding in-process with Hugging Face ``transformers``.
 
 Loads the verifier and a draft (our checkpoint, a train output folder, or an exported speculators /
-SGLang folder), generates an answer to each prompt with draft + verifier (chain of ``k`` tokens or an
-EAGLE-2 dynamic tree), times the verifier alone on the same prompts, and writes ``results.json``,
+SGLang folder), generates an answer to each prompt with draft + verifier (chain of ``k`` tokens or a
+dynamic tree), times the verifier alone on the same prompts, and writes ``results.json``,
 ``summary.json``, ``acceptance.png`` and, for drafts that predict acceptance, ``calibration.png`` into ``out``.
 Tiny CPU run on the embedded verifier::
 
@@ -89,7 +89,7 @@ def evaluate(
         temperature: 0 = greedy; > 0 samples, with rejection sampling keeping the verifier's distribution.
         top_p: nucleus sampling threshold (1 = off).
         top_k: top-k sampling filter (0 = off).
-        tree: draft a tree instead of a chain (families that support it: EAGLE-2 dynamic trees for EAGLE-3),
+        tree: draft a tree instead of a chain (for families whose proposer drafts dynamic trees),
             verified in one forward with a tree mask (with temperature > 0 each node is verified by sampling the
             verifier: lossless, "target-only").
         tree_depth: tree levels (longest draft).
@@ -138,7 +138,7 @@ def evaluate(
     aux_layer_ids = config.get("aux_layer_ids") or family.default_aux_layer_ids(n_layers)
     if not config.get("aux_layer_ids"):
         log.warning("draft %s records no aux layer ids; using the %s default %s", draft, family.name, aux_layer_ids)
-    if max(aux_layer_ids) > n_layers:  # id N: the last layer's output (an MTP layer's input)
+    if max(aux_layer_ids) > n_layers:  # id N: the last layer's output (what some families read)
         raise UserError(f"draft {draft} reads verifier layers {aux_layer_ids}; verifier {verifier} has {n_layers}")
     proposer = family.proposer(draft_model)
     threshold = None if confidence_threshold == "off" else float(confidence_threshold)

@@ -2,8 +2,8 @@
 
     tiny-speculators export runs/train --out runs/export                       # vLLM speculators format
     vllm serve runs/export                                                     # loads verifier + draft
-    tiny-speculators export runs/train/best --out runs/sglang --format eagle3-sglang
-    tiny-speculators export some/speculators-draft --out runs/sgl --format eagle3-sglang   # convert formats
+    tiny-speculators export runs/train/best --out runs/other --format FORMAT             # another of the family's
+    tiny-speculators export some/speculators-draft --out runs/other --format FORMAT      # convert formats
 
 The format code lives with each family (``models/<family>/``); this stage writes the folder: weights,
 ``config.json``, a model card and ``summary.json`` (with the command that serves it).
@@ -94,11 +94,11 @@ def export(
             or a draft in a published format to convert.
         out: output folder (config.json, model.safetensors, README.md, summary.json).
         format: the output format; default the family's first (speculators: what `vllm serve <out>` loads).
-            eagle3-sglang writes SGLang's LlamaForCausalLMEagle3.
+            Each family lists its formats in its folder (models/<family>/), e.g. one SGLang loads.
         verifier_name: the verifier recorded in the output (hub id or a local folder); defaults to the id the
             draft was trained against. Embedded names map to their hub id.
         speculative_tokens: default number of draft tokens per step written to the config; defaults to what the
-            draft was trained for (e.g. EAGLE-3's TTT steps), else 3.
+            draft was trained for (its family's steps per proposal), else 3.
         dtype: dtype of the written weights (float32 is lossless; bfloat16 halves the file).
         eval_results: results.json of `tiny-speculators evaluate` for this draft, quoted in the model card.
     """

@@ -1,7 +1,7 @@
 """The ``train`` stage's options as one typed, frozen object: built once from the stage's arguments (whose
 signature is the config) and handed to the setup, the loop and the checkpoints.
 
-``family`` holds the chosen draft family's own options (its dataclass, e.g. ``Eagle3Options``).
+``family`` holds the chosen draft family's own options (the dataclass in ``models/<family>/``).
 """
 
 from __future__ import annotations

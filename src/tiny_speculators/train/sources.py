@@ -4,8 +4,8 @@ Both sources give the trainer the same batch: ``input_ids``, ``loss_mask``, ``at
 ``position_ids`` (+ ``document_ids`` when packed), ``aux_hidden_states [B, T, n_aux*Ht]`` and
 ``last_hidden_state [B, T, Ht]`` (pre-norm; the target head turns it into verifier logits), so the
 model, loss and metrics cannot tell them apart. Offline shards written with a top-k layout carry
-``target_topk_ids`` / ``target_topk_logits [B, T, k]`` instead of ``last_hidden_state`` (see ``models/eagle3/loss.py``
-for what the loss does with them).
+``target_topk_ids`` / ``target_topk_logits [B, T, k]`` instead of ``last_hidden_state`` (see ``TopKTargets`` in
+``models/losses.py`` for what the losses do with them).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The ``train`` stage: train a draft of any family (``--algorithm``, default EAGLE-3) against a frozen verifier,
+"""The ``train`` stage: train a draft of any family (``--algorithm``) against a frozen verifier,
 offline (from ``extract``'s shards) or online (the verifier runs in this process), on one process or many
-(``torchrun``). Loop options are flat; a family's own options sit in its section (``--eagle3-ttt-steps 3``,
-YAML ``train: {algorithm: eagle3, eagle3: {ttt_steps: 3}}``).
+(``torchrun``). Loop options are flat; a family's own options sit in its section (``--<family>-<option> V``,
+YAML ``train: {algorithm: <family>, <family>: {<option>: V}}``).
 
     # tiny CPU run on the embedded verifier (after prepare / vocab / extract)
     tiny-speculators train --verifier smollm2-135m --hidden-states runs/hs --vocab runs/vocab --out runs/draft \
@@ -95,7 +95,7 @@ def train(
     freeze: list[str] | None = None,
     **family_options: Any,
 ) -> dict[str, Any]:
-    """Train a draft (EAGLE-3 by default) against a frozen verifier.
+    """Train a draft (of the default family unless --algorithm says otherwise) against a frozen verifier.
 
     Args:
         verifier: HF id, local folder, or an embedded name (smollm2-135m); the model the draft speculates for.
@@ -139,9 +139,9 @@ def train(
         fsdp: shard the draft with FSDP2 (fully_shard) instead of DDP (needs torchrun).
         device: auto (cuda if available), cpu, or cuda.
         init_from: start from this draft: one of our checkpoints (or a train output folder), or a published
-            draft in vLLM speculators or SGLang EAGLE-3 format; its vocabulary must equal --vocab.
+            draft in vLLM speculators or SGLang format; its vocabulary must equal --vocab.
         init_lm_head: initialize lm_head from the verifier's lm_head rows of the draft vocabulary.
-        aux_layer_ids: verifier layers the draft reads (default: the family's, e.g. EAGLE-3's [2, N//2, N-3]);
+        aux_layer_ids: verifier layers the draft reads (default: the family's own);
             offline, any subset of the stored layers (default: all of them), so one extraction serves several
             families.
         log_every: write metrics every N steps.
@@ -149,7 +149,7 @@ def train(
         trust_remote_code: allow the verifier's custom code from the hub.
         loss: loss terms and their weights (models/losses.py), e.g. {kl: 1.0} or {ce: 0.1, tv: 0.9}
             (--loss kl=1.0 / --loss ce=0.1 tv=0.9): kl, rkl, jsd, tv, ce (to the verifier's argmax), lk (LK hybrid,
-            lam*KL + (1-lam)*TV with lam = exp(-3*alpha)); default: the family's own (forward KL; DFlash: ce).
+            lam*KL + (1-lam)*TV with lam = exp(-3*alpha)); default: the family's own (forward KL for most).
         position_weights: decay (each family's fixed per-position decay), dpace (D-PACE: weights from the draft's
             current per-position acceptance, along each chain) or aligned (GRIFFIN's token-alignable training: the
             fixed decay, masked to 0 after a position where the draft's argmax missed the verifier's).

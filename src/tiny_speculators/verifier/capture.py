@@ -1,7 +1,7 @@
 """Capture a verifier's hidden states for draft training with forward hooks on just the layers that are needed.
 
 ``aux`` holds the INPUTS of the aux layers (``hidden_states[i]`` in Hugging Face's
-``output_hidden_states`` convention, and what vLLM's ``eagle_aux_hidden_state_layer_ids`` means),
+``output_hidden_states`` convention, and what vLLM's aux layer ids in a draft's config mean),
 concatenated in the order given; ``last`` is the final decoder layer's output before the final norm,
 so ``lm_head(norm(last))`` equals the verifier's logits. Only the decoder runs (no lm_head, no KV cache),
 and only the requested layers' states are kept.
@@ -37,7 +37,7 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 
 def check_layer_ids(layer_ids: Sequence[int], num_layers: int, allow_last: bool = False) -> list[int]:
     """Validate aux layer ids (each the index of a layer whose INPUT is captured: 0 .. N-1; with ``allow_last``
-    also N: the last layer's output before the final norm, what an MTP layer reads)."""
+    also N: the last layer's output before the final norm, what a draft layer stacked on the verifier reads)."""
     ids = [int(i) for i in layer_ids]
     if not ids:
         raise UserError("at least one aux layer id is needed")
