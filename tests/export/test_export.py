@@ -51,6 +51,26 @@ def test_round_trip_qwen3_with_norm_flags(tmp_path, qwen3_checkpoint, tiny_qwen3
         export(tmp_path / "out", out=tmp_path / "sgl", format="eagle3-sglang")
 
 
+def test_round_trip_of_a_two_layer_draft(tmp_path, tiny_llama_dir):
+    ckpt = make_checkpoint(tmp_path / "ckpt", tiny_llama_dir, num_layers=2, norm_before_residual=True, seed=5)
+    original, _ = load_draft(ckpt)
+    export(ckpt, out=tmp_path / "out", verifier_name=str(tiny_llama_dir))
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["transformer_layer_config"]["num_hidden_layers"] == 2
+    weights = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert "layers.1.input_layernorm.weight" in weights and "layers.1.hidden_norm.weight" not in weights
+    # speculators may write a hidden_norm for every layer; only layer 0 runs one
+    weights["layers.1.hidden_norm.weight"] = torch.ones(original.hidden_size)
+    from safetensors.torch import save_file
+
+    save_file(weights, str(tmp_path / "out" / "model.safetensors"))
+    imported, _ = import_draft(tmp_path / "out")
+    assert_same_draft(original, imported)
+    with pytest.raises(UserError, match=r"SGLang.*cannot run a draft with norm_before_residual, "
+                                        r"2 decoder layers \(its midlayer is one\)"):
+        export(ckpt, out=tmp_path / "sgl", format="eagle3-sglang", verifier_name=str(tiny_llama_dir))
+
+
 def test_speculators_config_fields(tmp_path, llama_checkpoint, tiny_llama_dir):
     export(llama_checkpoint, out=tmp_path / "out", verifier_name=str(tiny_llama_dir), speculative_tokens=5,
            dtype="bfloat16")

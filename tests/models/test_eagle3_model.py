@@ -38,8 +38,7 @@ def _rms(x, w, eps):
 
 def reference_forward(sd: dict, kw: dict, ids, hidden, pos):
     """Returns (logits, fed_back_hidden) for one draft step with causal attention."""
-    eps, nh, nkv, d = kw["rms_norm_eps"], kw["num_attention_heads"], kw["num_key_value_heads"], kw["head_dim"]
-    theta = kw["rope_parameters"]["rope_theta"]
+    eps = kw["rms_norm_eps"]
     L = "layers.0."
     embeds = sd["embed_tokens.weight"][ids]
     # vLLM Eagle3 LlamaDecoderLayer (layer 0): embeds -> input_layernorm; hidden -> hidden_norm;
@@ -48,6 +47,29 @@ def reference_forward(sd: dict, kw: dict, ids, hidden, pos):
     hn = _rms(hidden, sd[L + "hidden_norm.weight"], eps)
     residual = hn if kw.get("norm_before_residual") else hidden
     x = torch.cat([e, hn], dim=-1)  # 2H into the qkv projection
+    residual = _reference_attention(sd, kw, L, x, pos) + residual  # post_attention_layernorm's fused residual add
+    out = _reference_mlp(sd, kw, L, _rms(residual, sd[L + "post_attention_layernorm.weight"], eps)) + residual
+    for i in range(1, kw.get("num_layers", 1)):
+        # later layers (vLLM's layer_idx > 0): input_layernorm(hidden, residual) on the H stream, no embeddings
+        L = f"layers.{i}."
+        out = out + _reference_attention(sd, kw, L, _rms(out, sd[L + "input_layernorm.weight"], eps), pos)
+        out = out + _reference_mlp(sd, kw, L, _rms(out, sd[L + "post_attention_layernorm.weight"], eps))
+    # LlamaModel.forward: norm(hidden, residual) -> (norm(m + residual), m + residual);
+    # the eagle proposer samples from the first and feeds the second (pre-norm) back.
+    logits = _rms(out, sd["norm.weight"], eps) @ sd["lm_head.weight"].T
+    return logits, out
+
+
+def _reference_mlp(sd, kw, L, xn):
+    g = xn @ sd[L + "mlp.gate_proj.weight"].T
+    u = xn @ sd[L + "mlp.up_proj.weight"].T
+    return (g * torch.sigmoid(g) * u) @ sd[L + "mlp.down_proj.weight"].T
+
+
+def _reference_attention(sd, kw, L, x, pos):
+    """Layer ``L``'s causal self-attention output (o_proj included) on its input ``x``, head by head."""
+    eps, nh, nkv, d = kw["rms_norm_eps"], kw["num_attention_heads"], kw["num_key_value_heads"], kw["head_dim"]
+    theta = kw["rope_parameters"]["rope_theta"]
     q = x @ sd[L + "self_attn.q_proj.weight"].T
     k = x @ sd[L + "self_attn.k_proj.weight"].T
     v = x @ sd[L + "self_attn.v_proj.weight"].T
@@ -82,17 +104,7 @@ def reference_forward(sd: dict, kw: dict, ids, hidden, pos):
     a = out @ sd[L + "self_attn.o_proj.weight"].T
     if kw.get("attention_bias"):
         a = a + sd[L + "self_attn.o_proj.bias"]
-    # post_attention_layernorm with fused residual add: residual <- a + residual; x <- norm(residual)
-    residual = a + residual
-    xn = _rms(residual, sd[L + "post_attention_layernorm.weight"], eps)
-    g = xn @ sd[L + "mlp.gate_proj.weight"].T
-    u = xn @ sd[L + "mlp.up_proj.weight"].T
-    m = (g * torch.sigmoid(g) * u) @ sd[L + "mlp.down_proj.weight"].T
-    # LlamaModel.forward: norm(hidden, residual) -> (norm(m + residual), m + residual);
-    # the eagle proposer samples from the first and feeds the second (pre-norm) back.
-    prenorm = m + residual
-    logits = _rms(prenorm, sd["norm.weight"], eps) @ sd["lm_head.weight"].T
-    return logits, prenorm
+    return a
 
 
 def reference_fuse(sd, kw, aux):
@@ -110,6 +122,8 @@ VARIANTS = {
     "qwen3": {"layer_type": "qwen3"},
     "norm_before_residual": {"norm_before_residual": True},
     "fc_norms+bias": {"norm_before_fc": True, "fc_norm": True, "attention_bias": True},
+    "3 layers": {"num_layers": 3, "norm_before_residual": True},
+    "2 qwen3 layers": {"num_layers": 2, "layer_type": "qwen3", "attention_bias": True},
 }
 
 
@@ -161,7 +175,9 @@ EXPECTED_HIDDEN = [[-0.09036, 0.51165, 1.01114, 0.66436], [0.06998, -0.21348, -0
 EXPECTED_ARGMAX = [4, 21, 3, 6, 6, 14]
 
 
-def test_kv_cache_incremental_equals_full(tiny_draft):
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_kv_cache_incremental_equals_full(num_layers):
+    tiny_draft = fixed_init(Eagle3Draft(**tiny_kwargs(num_layers=num_layers)))
     ids, aux, pos = _inputs(b=2, t=9, seed=3)
     with torch.no_grad():
         h = tiny_draft.fuse(aux)
@@ -176,6 +192,7 @@ def test_kv_cache_incremental_equals_full(tiny_draft):
         cache.crop(5)
         c = tiny_draft(ids[:, 5:], h[:, 5:], pos[:, 5:], cache=cache)
         assert cache.length == 9
+        assert [c.length for c in cache.later] == [9] * (num_layers - 1)  # every layer was rolled back too
     inc = torch.cat([a.logits, b.logits, c.logits], dim=1)
     torch.testing.assert_close(inc, full.logits, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError):

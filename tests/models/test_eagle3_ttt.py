@@ -90,8 +90,10 @@ def test_positions_from_documents():
 # ------------------------------------------------------------------------------------------------ rollout
 
 
-def test_rollout_equals_chain_drafting_with_kv_cache(tiny_draft):
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_rollout_equals_chain_drafting_with_kv_cache(num_layers):
     """Step k at anchor t == what a serving engine computes: prefill keys 0..t, then k appended steps."""
+    tiny_draft = fixed_init(Eagle3Draft(**tiny_kwargs(num_layers=num_layers)))
     ids, aux, _, _, _ = _batch(b=1, t=8)
     pos = torch.arange(8)[None]
     steps = 3
@@ -110,7 +112,9 @@ def test_rollout_equals_chain_drafting_with_kv_cache(tiny_draft):
                 h = o.hidden_states
 
 
-def test_packed_documents_equal_separate_documents(tiny_draft):
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_packed_documents_equal_separate_documents(num_layers):
+    tiny_draft = fixed_init(Eagle3Draft(**tiny_kwargs(num_layers=num_layers)))
     ids, aux, last, mask, head = _batch(b=1, t=11, seed=4)
     doc = torch.tensor([[0] * 6 + [1] * 5])
     packed = ttt_step(tiny_draft, input_ids=ids, aux_hidden_states=aux, last_hidden_state=last, loss_mask=mask,

@@ -21,13 +21,15 @@ def _inputs(folder, verifier, aux: list[int]) -> BuildInputs:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("layer", [None, 3])
-def test_fresh_draft_is_the_verifiers_early_exit(arch, layer, tiny_llama_dir, tiny_qwen3_dir):
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_fresh_draft_is_the_verifiers_early_exit(arch, layer, num_layers, tiny_llama_dir, tiny_qwen3_dir):
     from transformers import AutoModelForCausalLM
 
     folder = tiny_llama_dir if arch == "llama" else tiny_qwen3_dir
     verifier = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     aux = [2, 4, 5]
-    draft = build(_inputs(folder, verifier, aux), Eagle3Options(init="verifier", init_layer=layer))
+    draft = build(_inputs(folder, verifier, aux),
+                  Eagle3Options(init="verifier", init_layer=layer, num_layers=num_layers))
     j = aux[-1] if layer is None else layer
     ids = torch.randint(0, verifier.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(11)[None].expand(2, -1)
@@ -37,9 +39,11 @@ def test_fresh_draft_is_the_verifiers_early_exit(arch, layer, tiny_llama_dir, ti
         body = verifier.model
         cos_sin = body.rotary_emb(states[j], positions)
         mask = torch.ones(11, 11, dtype=torch.bool).tril()[None, None].expand(2, 1, -1, -1)
-        after = body.layers[j](states[j], attention_mask=torch.where(mask, 0.0, float("-inf")),
-                               position_ids=positions, position_embeddings=cos_sin)
-        after = after[0] if isinstance(after, tuple) else after
+        after = states[j]
+        for layer_j in body.layers[j:j + num_layers]:  # the verifier's layers j, j+1, ...
+            after = layer_j(after, attention_mask=torch.where(mask, 0.0, float("-inf")), position_ids=positions,
+                            position_embeddings=cos_sin)
+            after = after[0] if isinstance(after, tuple) else after
         expected = verifier.lm_head(body.norm(after))
         aux_states = torch.cat([states[i] for i in aux], dim=-1)
         if j not in aux:  # fc picks the last aux state: feed layer j's input in its place
@@ -56,3 +60,7 @@ def test_a_layer_the_verifier_lacks_is_a_one_line_error(tiny_llama_dir):
     verifier = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
     with pytest.raises(UserError, match=r"^eagle3 init_layer 8 is not a decoder layer of the verifier \(0\.\.7\)$"):
         build(_inputs(tiny_llama_dir, verifier, [2, 4, 5]), Eagle3Options(init="verifier", init_layer=8))
+    with pytest.raises(UserError, match=r"^eagle3 init_layer 7 with num_layers 2 copies verifier layers 7\.\.8, "
+                                        r"but its decoder layers are 0\.\.7$"):
+        build(_inputs(tiny_llama_dir, verifier, [2, 4, 5]),
+              Eagle3Options(init="verifier", init_layer=7, num_layers=2))

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 _OVERRIDABLE = {
     "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_aux", "rms_norm_eps",
     "rope_parameters", "max_position_embeddings", "attention_bias", "layer_type", "norm_before_residual",
-    "norm_before_fc", "fc_norm", "train_embeddings", "hidden_act", "aux_layer_ids",
+    "norm_before_fc", "fc_norm", "train_embeddings", "hidden_act", "aux_layer_ids", "num_layers",
 }
 
 
@@ -52,7 +52,7 @@ def draft_kwargs_from_verifier(verifier_config: Any, draft_vocab_size: int, **ov
     a speculators checkpoint whose ``transformer_layer_config`` is the verifier's). ``overrides``
     may change any of: ``intermediate_size, num_attention_heads, num_key_value_heads, head_dim, num_aux,
     rms_norm_eps, rope_parameters, max_position_embeddings, attention_bias, layer_type,
-    norm_before_residual, norm_before_fc, fc_norm, train_embeddings, hidden_act, aux_layer_ids``.
+    norm_before_residual, norm_before_fc, fc_norm, train_embeddings, hidden_act, aux_layer_ids, num_layers``.
     """
     cfg = text_config(verifier_config)  # multimodal wrappers
     unknown = set(overrides) - _OVERRIDABLE

@@ -33,9 +33,11 @@ class Eagle3Options:
         layer_type: draft decoder layer: auto (qwen3 for Qwen3 verifiers, else llama), llama, or qwen3.
         fc_norm: RMSNorm each aux chunk before fc (EAGLE 3.1).
         norm_before_residual: use hidden_norm(h) as the residual (vLLM's flag).
-        init: random, or verifier: the decoder layer starts as the verifier's layer ``init_layer`` (an early exit
-            of the verifier; ``verifier_init.py``), read from the verifier's safetensors.
-        init_layer: the verifier layer ``init: verifier`` copies (default: the last aux layer).
+        num_layers: decoder layers of the draft (layer 0 the EAGLE-3 layer, the rest plain layers; vLLM serves any
+            number, SGLang's export only one).
+        init: random, or verifier: the decoder layers start as the verifier's layers ``init_layer``,
+            ``init_layer + 1``, ... (an early exit of the verifier; ``verifier_init.py``), read from its safetensors.
+        init_layer: the first verifier layer ``init: verifier`` copies (default: the last aux layer).
     """
 
     ttt_steps: int = 3
@@ -43,6 +45,7 @@ class Eagle3Options:
     layer_type: Literal["auto", "llama", "qwen3"] = "auto"
     fc_norm: bool = False
     norm_before_residual: bool = False
+    num_layers: int = 1
     init: Literal["random", "verifier"] = "random"
     init_layer: int | None = None
 
@@ -51,6 +54,8 @@ class Eagle3Options:
             raise ValueError(f"ttt_steps must be at least 1, got {self.ttt_steps}")
         if not 0 < self.decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be at least 1, got {self.num_layers}")
 
 
 def resolve_layer_type(layer_type: str, verifier_config) -> str:
@@ -64,7 +69,7 @@ def build(inputs: BuildInputs, options: Eagle3Options) -> Eagle3Draft:
         inputs.verifier_config, int(inputs.d2t.shape[0]), num_aux=len(inputs.aux_layer_ids),
         aux_layer_ids=list(inputs.aux_layer_ids), layer_type=resolve_layer_type(options.layer_type,
                                                                                 inputs.verifier_config),
-        fc_norm=options.fc_norm, norm_before_residual=options.norm_before_residual)
+        fc_norm=options.fc_norm, norm_before_residual=options.norm_before_residual, num_layers=options.num_layers)
     draft = build_draft(kwargs, inputs.d2t, inputs.t2d, embed_weight=inputs.embed_weight,
                         lm_head_weight=inputs.lm_head_weight)
     if options.init == "verifier":
@@ -74,8 +79,11 @@ def build(inputs: BuildInputs, options: Eagle3Options) -> Eagle3Draft:
             raise UserError("eagle3 init 'verifier' reads a verifier layer, but no verifier folder was given")
         layer = inputs.aux_layer_ids[-1] if options.init_layer is None else options.init_layer
         n_layers = int(getattr(inputs.verifier_config, "num_hidden_layers", 0))
-        if not 0 <= layer < n_layers:
-            raise UserError(f"eagle3 init_layer {layer} is not a decoder layer of the verifier (0..{n_layers - 1})")
+        if not 0 <= layer <= n_layers - options.num_layers:
+            if options.num_layers == 1:
+                raise UserError(f"eagle3 init_layer {layer} is not a decoder layer of the verifier (0..{n_layers - 1})")
+            raise UserError(f"eagle3 init_layer {layer} with num_layers {options.num_layers} copies verifier layers "
+                            f"{layer}..{layer + options.num_layers - 1}, but its decoder layers are 0..{n_layers - 1}")
         init_from_verifier_layer(draft, resolve_verifier(inputs.verifier_path), layer)
     return draft
 
@@ -93,7 +101,7 @@ def objective(draft: nn.Module, target_head: nn.Module, options: Eagle3Options, 
 
 FAMILY = DraftFamily(
     name="eagle3",
-    summary="EAGLE-3: one decoder layer over fused verifier states, trained with training-time test (TTT)",
+    summary="EAGLE-3: a decoder layer (or a few) over fused verifier states, trained with training-time test (TTT)",
     model=Eagle3Draft,
     options=Eagle3Options,
     build=build,

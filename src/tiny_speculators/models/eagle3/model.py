@@ -1,6 +1,6 @@
 """The EAGLE-3 draft model: exactly the computation vLLM runs when it serves the draft.
 
-One decoder layer on top of the verifier's token embeddings and a fusion of verifier hidden
+One decoder layer (or ``num_layers``) on top of the verifier's token embeddings and a fusion of verifier hidden
 states (equations as in vLLM's ``llama_eagle3.py``; names as in the speculators format)::
 
     g      = fc(concat(aux_1, ..., aux_n))                       # fuse(): step 0 only,  (B, T, H)
@@ -8,7 +8,9 @@ states (equations as in vLLM's ``llama_eagle3.py``; names as in the speculators 
     hn     = hidden_norm(h);   r = hn if norm_before_residual else h
     a      = o_proj(Attn(q/k/v_proj(concat(e, hn))))            # q/k/v take 2H, RoPE on q/k
     r      = a + r;            x = post_attention_layernorm(r)
-    out    = mlp(x) + r                                          # PRE-norm output
+    out    = mlp(x) + r                                          # PRE-norm output of layer 0
+    # layers 1..L-1 (num_layers > 1): plain Llama/Qwen3 layers on the H stream, the embedding not re-injected
+    out    = out + attn_i(input_layernorm_i(out));   out = out + mlp_i(post_attention_layernorm_i(out))
     logits = lm_head(norm(out))                                  # (B, T, draft_vocab)
 
 ``h`` is ``fuse(aux)`` at the first draft step and ``out`` of the previous draft step afterwards:
@@ -31,6 +33,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from tiny_speculators.errors import UserError
 from tiny_speculators.models.eagle3.attention import attend
 from tiny_speculators.models.layers import (
     MLP,
@@ -47,22 +50,32 @@ from tiny_speculators.models.layers import (
     to_target_logits,
 )
 
-__all__ = ["MLP", "Attention", "DecoderLayer", "Eagle3Draft", "Eagle3Output", "KVCache", "RMSNorm", "Rotary",
-           "apply_rope", "check_draft_shape", "init_weights", "to_target_logits"]
+__all__ = ["MLP", "Attention", "DecoderLayer", "Eagle3Draft", "Eagle3Output", "KVCache", "LlamaLayer", "RMSNorm",
+           "Rotary", "apply_rope", "check_draft_shape", "init_weights", "to_target_logits"]
 
 Eagle3Output = DraftOutput  # logits (B, T, draft_vocab) or None, hidden_states (B, T, H) pre-norm output
 
 
 class KVCache:
-    """Keys/values of the draft's single attention layer, ``[B, n_kv, S, D]`` each (post-RoPE).
+    """Keys/values of the draft's first attention layer, ``[B, n_kv, S, D]`` each (post-RoPE), and those of any
+    later layers in caches of their own (:meth:`layer`).
 
     ``forward(..., cache=cache)`` appends the new keys/values; ``crop(n)`` drops everything after
-    the first ``n`` positions (rollback after rejected draft tokens).
+    the first ``n`` positions of every layer (rollback after rejected draft tokens).
     """
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.later: list[KVCache] = []  # layers 1, 2, ...
+
+    def layer(self, index: int) -> KVCache:
+        """The cache of decoder layer ``index`` (this one for 0), made on first use."""
+        if index == 0:
+            return self
+        while len(self.later) < index:
+            self.later.append(KVCache())
+        return self.later[index - 1]
 
     @property
     def length(self) -> int:
@@ -82,9 +95,12 @@ class KVCache:
         if self.k is not None:
             self.k = self.k[:, :, :length]
             self.v = self.v[:, :, :length]
+        for cache in self.later:
+            cache.crop(length)
 
     def reset(self) -> None:
         self.k = self.v = None
+        self.later = []
 
 
 class Attention(nn.Module):
@@ -147,8 +163,25 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(residual)) + residual  # pre-norm output
 
 
+class LlamaLayer(nn.Module):
+    """A plain pre-norm Llama (or Qwen3) decoder layer on the H-wide residual stream (layers 1..L-1)."""
+
+    def __init__(self, *, hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
+                 rms_norm_eps, attention_bias, layer_type) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.self_attn = Attention(hidden_size, num_attention_heads, num_key_value_heads, head_dim, attention_bias,
+                                   layer_type == "qwen3", rms_norm_eps, input_size=hidden_size)
+        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.mlp = MLP(hidden_size, intermediate_size)
+
+    def forward(self, x, cos, sin, attention_mask, cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cache)  # (B, T, H)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
 class Eagle3Draft(nn.Module):
-    """EAGLE-3 draft (one decoder layer), built from plain keyword arguments.
+    """EAGLE-3 draft (one decoder layer, or ``num_layers``), built from plain keyword arguments.
 
     Args:
         vocab_size: verifier (target) vocabulary size; size of ``embed_tokens`` and ``t2d``.
@@ -169,6 +202,8 @@ class Eagle3Draft(nn.Module):
         train_embeddings: leave ``embed_tokens`` trainable (frozen by default).
         hidden_act: only "silu" (gated SiLU MLP) is supported.
         aux_layer_ids: the verifier layers whose inputs are fused (``num_aux`` of them; None = not recorded).
+        num_layers: decoder layers: layer 0 the EAGLE-3 layer, the rest plain layers of ``layer_type`` (as vLLM
+            runs a draft whose ``num_hidden_layers`` is above 1).
     """
 
     def __init__(
@@ -195,8 +230,11 @@ class Eagle3Draft(nn.Module):
         train_embeddings: bool = False,
         hidden_act: str = "silu",
         aux_layer_ids: list[int] | None = None,
+        num_layers: int = 1,
     ) -> None:
         super().__init__()
+        if num_layers < 1:
+            raise UserError(f"num_layers must be at least 1, got {num_layers}")
         check_draft_shape(num_aux=num_aux, aux_layer_ids=aux_layer_ids, layer_type=layer_type, hidden_act=hidden_act,
                           num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads)
         rope_parameters = rope_or_default(rope_parameters)
@@ -211,6 +249,8 @@ class Eagle3Draft(nn.Module):
             norm_output=norm_output, train_embeddings=train_embeddings, hidden_act=hidden_act,
             aux_layer_ids=None if aux_layer_ids is None else [int(i) for i in aux_layer_ids],
         )
+        if num_layers != 1:  # one-layer drafts keep the keyword arguments they always had
+            self.kwargs["num_layers"] = int(num_layers)
         self.hidden_size, self.draft_vocab_size, self.num_aux = hidden_size, draft_vocab_size, num_aux
         self.target_hidden_size = target_hidden_size
         self.norm_output = norm_output
@@ -221,8 +261,9 @@ class Eagle3Draft(nn.Module):
         self.fc_norm = (nn.ModuleList([RMSNorm(target_hidden_size, rms_norm_eps) for _ in range(num_aux)])
                         if fc_norm else None)
         self.fc = nn.Linear(num_aux * target_hidden_size, hidden_size, bias=False)
-        self.layers = nn.ModuleList([DecoderLayer(**layer_kwargs(self.kwargs), layer_type=layer_type,
-                                                  norm_before_residual=norm_before_residual)])
+        shape = dict(layer_kwargs(self.kwargs), layer_type=layer_type)
+        self.layers = nn.ModuleList([DecoderLayer(**shape, norm_before_residual=norm_before_residual),
+                                     *(LlamaLayer(**shape) for _ in range(num_layers - 1))])
         add_output_layers(self)  # norm, lm_head, rotary, d2t, t2d
         self.reset_parameters()
 
@@ -274,6 +315,8 @@ class Eagle3Draft(nn.Module):
         embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)  # (B, T, H)
         cos, sin = self.rotary(position_ids, hidden_states.dtype)
         out = self.layers[0](embeds, hidden_states, cos, sin, attention_mask, cache)  # (B, T, H)
+        for i, layer in enumerate(self.layers[1:], start=1):
+            out = layer(out, cos, sin, attention_mask, None if cache is None else cache.layer(i))
         if self.norm_output:
             out = self.norm(out)  # (B, T, H), fed back as it is
         return Eagle3Output(logits=self.compute_logits(out) if logits else None, hidden_states=out)

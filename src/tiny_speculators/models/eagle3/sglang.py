@@ -42,6 +42,8 @@ def check_exportable(kwargs: Mapping[str, Any]) -> None:
         unsupported.append("fc_norm")
     if kwargs.get("norm_output"):
         unsupported.append("norm_output")
+    if int(kwargs.get("num_layers", 1)) != 1:
+        unsupported.append(f"{kwargs['num_layers']} decoder layers (its midlayer is one)")
     if unsupported:
         raise UserError(f"SGLang's {ARCHITECTURE} cannot run a draft with {', '.join(unsupported)}; "
                         "export it with --format speculators instead")

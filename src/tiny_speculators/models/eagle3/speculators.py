@@ -38,7 +38,7 @@ LAYER_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def transformer_layer_config(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The draft's decoder layer as a complete HF decoder config (``num_hidden_layers`` 1).
+    """The draft's decoder layers as a complete HF decoder config (``num_hidden_layers`` = the draft's layers).
 
     RoPE is written in both layouts (``rope_theta``/``rope_scaling`` for transformers v4 readers,
     ``rope_parameters`` for v5) so that either reconstructs the same frequencies.
@@ -164,9 +164,9 @@ def read_config(directory: Path) -> dict[str, Any]:
         raise UserError(f"{where} is missing speculators_config.proposal_methods[0].speculative_tokens")
     if not isinstance(spec.get("verifier"), Mapping) or "name_or_path" not in spec["verifier"]:
         raise UserError(f"{where} is missing speculators_config.verifier.name_or_path")
-    if int(layer.get("num_hidden_layers", 1)) != 1:
-        raise UserError(f"{where}: drafts with {layer['num_hidden_layers']} decoder layers are not supported "
-                        "(EAGLE-3 drafts here have exactly one)")
+    if not isinstance(layer.get("num_hidden_layers", 1), int) or int(layer.get("num_hidden_layers", 1)) < 1:
+        raise UserError(f"{where}: transformer_layer_config.num_hidden_layers must be a positive integer, got "
+                        f"{layer['num_hidden_layers']!r}")
     if layer.get("model_type", "llama") not in LAYER_ARCHITECTURES:
         raise UserError(f"{where}: transformer_layer_config.model_type {layer.get('model_type')!r} is not "
                         f"supported (use one of {sorted(LAYER_ARCHITECTURES)})")
@@ -196,6 +196,7 @@ def draft_kwargs(cfg: Mapping[str, Any], fc_in_features: int | None = None) -> d
         fc_norm=bool(cfg.get("fc_norm", False)),
         norm_output=bool(cfg.get("norm_output", False)),
         train_embeddings=bool(cfg.get("embed_requires_grad", False)),
+        **({"num_layers": layers} if (layers := int(layer.get("num_hidden_layers", 1))) != 1 else {}),
     )
 
 
@@ -215,12 +216,14 @@ IGNORED_TENSORS = ("verifier_lm_head.weight", "verifier_norm.weight")
 
 
 def normalize_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Speculators tensor names are ours; drop training-only verifier copies and a ``model.`` prefix."""
+    """Speculators tensor names are ours; drop training-only verifier copies, a ``model.`` prefix, and the unused
+    ``hidden_norm`` that speculators may write for decoder layers after the first."""
     out = {}
     for name, tensor in state.items():
-        if name in IGNORED_TENSORS:
-            continue
-        out[name.removeprefix("model.")] = tensor
+        name = name.removeprefix("model.")
+        later_hidden_norm = name.startswith("layers.") and ".hidden_norm." in name and not name.startswith("layers.0.")
+        if name not in IGNORED_TENSORS and not later_hidden_norm:
+            out[name] = tensor
     return out
 
 
@@ -259,7 +262,7 @@ def serve(verifier_name: str, folder: str, k: int) -> str:
 
 def card(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return {"title": "EAGLE-3 draft", "library": "vllm", "tags": ["eagle3", "speculators"],
-            "about": "A one-layer EAGLE-3 draft model", "rows": layer_rows(kwargs)}
+            "about": f"A {kwargs.get('num_layers', 1)}-layer EAGLE-3 draft model", "rows": layer_rows(kwargs)}
 
 
 def layer_rows(kwargs: Mapping[str, Any]) -> list[tuple[str, str]]:

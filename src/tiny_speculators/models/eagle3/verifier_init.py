@@ -1,17 +1,18 @@
-"""Start an EAGLE-3 draft's decoder layer from one of the verifier's own decoder layers (``eagle3: {init: verifier}``).
+"""Start an EAGLE-3 draft's decoder layers from the verifier's own decoder layers (``eagle3: {init: verifier}``).
 
-The fresh draft then computes, at its first step, that verifier layer on the verifier's state that enters it,
-followed by the verifier's final norm and lm_head: an early exit of the verifier itself, instead of a random
-guess. With verifier layer ``j`` (default: the last aux layer, whose input is aux state ``j``):
+The fresh draft then computes, at its first step, those verifier layers on the verifier's state that enters the
+first of them, followed by the verifier's final norm and lm_head: an early exit of the verifier itself, instead of
+a random guess. With verifier layer ``j`` (default: the last aux layer, whose input is aux state ``j``):
 
     fc                        picks aux state j (identity block; zeros for the other aux states)
     hidden_norm               <- layer j's input_layernorm      (the draft's norm of the fed-back state)
     q/k/v_proj[:, H:]         <- layer j's q/k/v_proj           (the state half; the embedding half starts at 0)
     o_proj, post_attention_layernorm, mlp, q_norm/k_norm, biases  <- layer j's
+    layers.i (i >= 1)         <- layer j + i, all of it          (plain layers, as in the verifier)
     norm                      <- the verifier's final norm       (lm_head rows are copied as always)
 
 Without ``fc_norm``/``norm_before_residual`` that is exact: the fresh draft's step-0 logits are the verifier's
-logits after layer j (tests/models/test_eagle3_verifier_init.py); with them it is the same computation on
+logits after layers j..j+L-1 (tests/models/test_eagle3_verifier_init.py); with them it is the same computation on
 normalized states, which training adapts.
 """
 
@@ -48,32 +49,35 @@ def _tensors(folder: str, layer: int) -> tuple[dict[str, torch.Tensor], torch.Te
 
 @torch.no_grad()
 def init_from_verifier_layer(draft: Eagle3Draft, folder: str, layer: int) -> None:
-    """Copy verifier decoder layer ``layer`` (and its final norm) into ``draft`` as laid out above."""
+    """Copy verifier decoder layers ``layer``, ``layer + 1``, ... (one per draft layer) and the verifier's final norm
+    into ``draft`` as laid out above."""
     aux_ids = draft.kwargs.get("aux_layer_ids") or []
-    tensors, final_norm = _tensors(folder, layer)
-    ours = draft.layers[0]
     h = draft.hidden_size  # the copies below fail with a one-line error unless it is the verifier's
-    plain = {"self_attn.o_proj.weight": ours.self_attn.o_proj.weight,
-             "post_attention_layernorm.weight": ours.post_attention_layernorm.weight,
-             "input_layernorm.weight": ours.hidden_norm.weight,
-             **{f"mlp.{n}_proj.weight": getattr(ours.mlp, f"{n}_proj").weight for n in ("gate", "up", "down")}}
-    for name in ("q_norm", "k_norm"):
-        if getattr(ours.self_attn, name) is not None:
-            plain[f"self_attn.{name}.weight"] = getattr(ours.self_attn, name).weight
-    for name in ("q", "k", "v", "o"):
-        bias = getattr(ours.self_attn, f"{name}_proj").bias
-        if bias is not None:
-            plain[f"self_attn.{name}_proj.bias"] = bias
-    halves = {f"self_attn.{n}_proj.weight": getattr(ours.self_attn, f"{n}_proj").weight for n in ("q", "k", "v")}
-    missing = sorted((set(plain) | set(halves)) - set(tensors))
-    if missing:
-        raise UserError(f"verifier {folder} layer {layer} lacks {', '.join(missing)}: its decoder layer is not "
-                        "the draft's (a llama/qwen3-style layer); use eagle3 init 'random'")
-    for name, param in plain.items():
-        _copy(param, tensors[name], f"layer {layer} {name}")
-    for name, param in halves.items():
-        _copy(param[:, h:], tensors[name], f"layer {layer} {name}")
-        param[:, :h].zero_()
+    for i, ours in enumerate(draft.layers):
+        tensors, final_norm = _tensors(folder, layer + i)
+        plain = {f"self_attn.{n}_proj.weight": getattr(ours.self_attn, f"{n}_proj").weight
+                 for n in ("q", "k", "v", "o") if i > 0 or n == "o"}
+        plain |= {"post_attention_layernorm.weight": ours.post_attention_layernorm.weight,
+                  "input_layernorm.weight": ours.hidden_norm.weight if i == 0 else ours.input_layernorm.weight,
+                  **{f"mlp.{n}_proj.weight": getattr(ours.mlp, f"{n}_proj").weight for n in ("gate", "up", "down")}}
+        for name in ("q_norm", "k_norm"):
+            if getattr(ours.self_attn, name) is not None:
+                plain[f"self_attn.{name}.weight"] = getattr(ours.self_attn, name).weight
+        for name in ("q", "k", "v", "o"):
+            bias = getattr(ours.self_attn, f"{name}_proj").bias
+            if bias is not None:
+                plain[f"self_attn.{name}_proj.bias"] = bias
+        halves = ({f"self_attn.{n}_proj.weight": getattr(ours.self_attn, f"{n}_proj").weight for n in ("q", "k", "v")}
+                  if i == 0 else {})
+        missing = sorted((set(plain) | set(halves)) - set(tensors))
+        if missing:
+            raise UserError(f"verifier {folder} layer {layer + i} lacks {', '.join(missing)}: its decoder layer is "
+                            "not the draft's (a llama/qwen3-style layer); use eagle3 init 'random'")
+        for name, param in plain.items():
+            _copy(param, tensors[name], f"layer {layer + i} {name}")
+        for name, param in halves.items():
+            _copy(param[:, h:], tensors[name], f"layer {layer + i} {name}")
+            param[:, :h].zero_()
     _copy(draft.norm.weight, final_norm, "final norm")
     block = aux_ids.index(layer) if layer in aux_ids else draft.num_aux - 1  # fc picks that aux state (or the last)
     draft.fc.weight.zero_()

@@ -32,9 +32,8 @@ import torch
 from torch import nn
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.model import Attention, DecoderLayer, KVCache
+from tiny_speculators.models.eagle3.model import DecoderLayer, KVCache, LlamaLayer
 from tiny_speculators.models.layers import (
-    MLP,
     DraftOutput,
     RMSNorm,
     add_output_layers,
@@ -46,24 +45,7 @@ from tiny_speculators.models.layers import (
     rotary_of,
 )
 
-__all__ = ["LlamaLayer", "PEagleDraft"]
-
-
-class LlamaLayer(nn.Module):
-    """A plain pre-norm Llama (or Qwen3) decoder layer on the H-wide residual stream (layers 1..L-1)."""
-
-    def __init__(self, *, hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
-                 rms_norm_eps, attention_bias, layer_type) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
-        self.self_attn = Attention(hidden_size, num_attention_heads, num_key_value_heads, head_dim, attention_bias,
-                                   layer_type == "qwen3", rms_norm_eps, input_size=hidden_size)
-        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
-        self.mlp = MLP(hidden_size, intermediate_size)
-
-    def forward(self, x, cos, sin, attention_mask, cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cache)  # (B, T, H)
-        return x + self.mlp(self.post_attention_layernorm(x))
+__all__ = ["PEagleDraft"]
 
 
 class PEagleDraft(nn.Module):

@@ -113,8 +113,6 @@ def read(directory: Path, raw: Mapping[str, Any], tensors: dict[str, torch.Tenso
         train_embeddings=bool(cfg.get("embed_requires_grad", False)) and "embed_tokens.weight" in tensors,
         aux_layer_ids=[int(i) for i in aux] if aux else None,
     )
-    state = {k: v for k, v in state.items() if not k.startswith("layers.") or ".hidden_norm." not in k
-             or k.startswith("layers.0.")}  # speculators may write unused hidden norms of layers >= 1
     return kwargs, state, {"verifier": verifier_of(cfg), "speculative_tokens": speculative_tokens_of(cfg)}
 
 
