@@ -111,8 +111,9 @@ def test_vllm_speculative_decoding_matches_our_evaluator(vllm_runs, ours, tmp_pa
 
 
 def test_vllm_runs_a_qwen3_draft_with_norm_flags(vllm_python, tmp_path, tiny_qwen3_dir, smollm2_tokenizer):
-    """The qwen3 layer type (q/k norms), norm_before_residual and fc_norm load in vLLM's Eagle3Qwen3 model and
-    speculative decoding stays lossless (random draft on the tiny random Qwen3 verifier: load + run only)."""
+    """The qwen3 layer type (q/k norms), norm_before_residual, fc_norm and a second decoder layer load in vLLM's
+    Eagle3Qwen3 model and speculative decoding stays lossless (random draft on the tiny random Qwen3 verifier:
+    load + run only)."""
     from export_helpers import make_checkpoint
     from transformers import AutoModelForCausalLM
 
@@ -121,7 +122,7 @@ def test_vllm_runs_a_qwen3_draft_with_norm_flags(vllm_python, tmp_path, tiny_qwe
     from tiny_speculators.export import export
 
     ckpt = make_checkpoint(tmp_path / "ckpt", tiny_qwen3_dir, layer_type="qwen3", norm_before_residual=True,
-                           fc_norm=True)
+                           fc_norm=True, num_layers=2)
     export(ckpt, out=tmp_path / "export", verifier_name=str(tiny_qwen3_dir), speculative_tokens=2)
     prompts = [render(smollm2_tokenizer, p) for p in EVAL_PROMPTS[:3]]
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
@@ -129,6 +130,7 @@ def test_vllm_runs_a_qwen3_draft_with_norm_flags(vllm_python, tmp_path, tiny_qwe
              str(tmp_path / "prompts.json"), "--max-tokens", "16", "--max-model-len", "512")
     spec = json.loads((tmp_path / "spec.json").read_text())
     assert spec["architectures"]["draft"] == ["Eagle3Qwen3ForCausalLM"]
+    assert spec["architectures"]["draft_num_hidden_layers"] == 2
     assert spec["spec_decode"]["vllm:spec_decode_num_drafts"] > 0
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
     target = TargetRunner(model, [2, 4, 5])

@@ -87,6 +87,8 @@ def _architectures(llm) -> dict[str, object]:
     if config.speculative_config is not None:
         draft = config.speculative_config.draft_model_config
         out["draft"] = list(getattr(draft.hf_config, "architectures", None) or []) if draft is not None else None
+        out["draft_num_hidden_layers"] = (getattr(draft.hf_config, "num_hidden_layers", None)
+                                          if draft is not None else None)
     return out
 
 
