@@ -8,8 +8,9 @@ of the Gaussian noise on the verifier's aux states, ``WEIGHTS`` ``decay`` (defau
 ``freeze=[lm_head,layers.0.mlp]``). For each recipe:
 train offline (a subprocess), export, evaluate with real speculative decoding on the held-out built-in prompts at
 k = 3 (``--ks``): held-out τ; plus train and validation accuracy per draft step and training seconds. Prints a
-markdown table, writes ``results.json`` and ``recipe.png`` into ``--work`` (a recipe already measured there is
-reused, so an interrupted benchmark continues).
+markdown table, writes ``results.json`` and ``recipe.png`` into ``--work`` (a recipe already measured there with the
+same settings is reused, so an interrupted benchmark continues, and ``results.json`` keeps the rows of earlier
+invocations with the same settings; a row measured with other settings is an error).
 
 Data: a pipeline run's vocab / extract folders (``--run``, read only), so every recipe trains on the same stored
 hidden states (``--hidden-states``: another extraction of the same samples, e.g. at other aux layers).
@@ -109,14 +110,23 @@ def main() -> None:
             raise SystemExit(f"{a.run / sub} is missing: run the pipeline first (it needs vocab and extract)")
     recipes = {spec: parse_recipe(spec) for spec in a.recipes}  # all specs checked before the first run
     a.work.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict] = {}
+    settings = {"run": str(a.run.resolve()), "hidden_states": str(a.hidden_states or ""), "algorithm": a.algorithm,
+                "steps": a.steps, "batch_tokens": a.batch_tokens, "lr": a.lr, "max_prompts": a.max_prompts,
+                "max_new_tokens": a.max_new_tokens, "seed": a.seed}
+    total = a.work / "results.json"  # every row measured in --work with these settings, earlier invocations' too
+    results: dict[str, dict] = {spec: row for spec, row in (json.loads(total.read_text()) if total.is_file()
+                                                            else {}).items() if row.get("settings") == settings}
     for spec, recipe in recipes.items():
         tag = spec.replace("/", "_").replace(":", "").replace("+", "-").replace("=", "").replace(",", "-")
         if (a.work / f"{tag}.json").is_file():  # resume a partly measured benchmark
-            results[spec] = json.loads((a.work / f"{tag}.json").read_text())
+            row = json.loads((a.work / f"{tag}.json").read_text())
+            if row.get("settings") != settings:
+                raise SystemExit(f"{a.work / f'{tag}.json'} was measured with other settings ({row.get('settings')}); "
+                                 "use another --work")
+            results[spec] = row
             continue
         out = a.work / tag
-        row: dict = {"recipe": recipe, **train_recipe(a.run, out, recipe, a)}
+        row: dict = {"recipe": recipe, "settings": settings, **train_recipe(a.run, out, recipe, a)}
         export(out, out=a.work / f"{tag}-export")
         row["k"] = {}
         for k in a.ks:
