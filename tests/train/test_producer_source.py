@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from train_inputs import make_chats
 
-from conftest import make_chats
 from serving_helpers import server_port, vllm_processes
 from tiny_speculators.cli import main
 from tiny_speculators.errors import UserError

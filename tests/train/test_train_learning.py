@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from train_inputs import build_inputs
 
-from conftest import build_inputs
 from tiny_speculators.train.stage import train
 
 

@@ -14,8 +14,8 @@ import json
 import pytest
 from test_train_invariants import _common
 from train_checks import ddp_equals_one, resume_equals_uninterrupted
+from train_inputs import build_inputs, make_chats
 
-from conftest import build_inputs, make_chats
 from tiny_speculators.errors import UserError
 from tiny_speculators.train.stage import train
 
