@@ -30,7 +30,15 @@ from pathlib import Path
 from typing import IO, Any
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.serving import HOST, VllmServer, check_port_free, free_ports, stop_process_group
+from tiny_speculators.serving import (
+    HOST,
+    VllmServer,
+    check_port_free,
+    enter_on_a_port,
+    free_ports,
+    read_from,
+    stop_process_group,
+)
 
 __all__ = ["CONNECTOR", "MooncakeMaster", "check_master", "import_mooncake_store", "kv_transfer_config",
            "local_hostname", "producer_server", "speculative_config", "store_config"]
@@ -41,7 +49,6 @@ PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugins"  # put on the prod
 CONNECTOR = "CpuMooncakeHiddenStatesConnector"
 CONNECTOR_MODULE = "mooncake_connector"
 SYSTEM_LIBS = "libibverbs1 libnl-3-200 libnl-route-3-200 librdmacm1"
-PORT_ATTEMPTS = 3  # a port picked free can be taken before the master binds it (a busy machine): pick again
 PRODUCER_SEGMENT_BYTES = 1 << 30  # store memory each producer lends: samples wait in it until a rank fetches them
 TRAINER_BUFFER_BYTES = 256 << 20  # a trainer rank's local transfer buffer (it lends no store memory)
 
@@ -140,22 +147,8 @@ class MooncakeMaster:
         return f"{HOST}:{self.port}"
 
     def __enter__(self) -> MooncakeMaster:
-        picked = self.port is None  # ports we picked may be taken before the master binds them: pick again
-        for attempt in range(1, PORT_ATTEMPTS + 1):
-            self.start()
-            try:
-                self.wait_ready()
-                return self
-            except UserError:
-                self.stop()
-                if not (picked and attempt < PORT_ATTEMPTS and "Address already in use" in self._attempt_log()):
-                    raise
-                log.info("mooncake_master: a port it was given got taken; starting it on other ports")
-                self.port = None
-            except BaseException:
-                self.stop()
-                raise
-        raise AssertionError("unreachable")
+        enter_on_a_port(self, "mooncake_master")  # ports it picked may be taken before it binds them: pick again
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -188,7 +181,7 @@ class MooncakeMaster:
         while True:
             code = self.process.poll()
             if code is not None:
-                lines = [ln.strip() for ln in self._attempt_log().splitlines() if ln.strip()]
+                lines = [ln.strip() for ln in self.attempt_log().splitlines() if ln.strip()]
                 errors = [ln for ln in lines if re.match(r"[EF]\d{4} ", ln)]  # glog's ERROR and FATAL lines
                 reason = (errors or lines or [""])[0]
                 raise UserError(f"mooncake_master exited while starting (exit code {code}"
@@ -201,12 +194,9 @@ class MooncakeMaster:
                                 f"{self.startup_timeout:.0f} s (log: {self.log_path})")
             time.sleep(0.2)
 
-    def _attempt_log(self) -> str:
+    def attempt_log(self) -> str:
         """What the master wrote to its log since this attempt started it."""
-        with contextlib.suppress(OSError), self.log_path.open("rb") as f:
-            f.seek(self._log_offset)
-            return f.read().decode(errors="replace")
-        return ""
+        return read_from(self.log_path, self._log_offset)
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM the master's process group, SIGKILL it after ``grace`` seconds; idempotent."""

@@ -122,6 +122,39 @@ def free_ports(count: int, host: str = HOST) -> list[int]:
         return [int(s.getsockname()[1]) for s in sockets]
 
 
+PORT_ATTEMPTS = 3  # a port picked free can be taken before the server binds it (a busy machine): pick again
+
+
+def enter_on_a_port(server: Any, name: str) -> None:
+    """``server.start()`` + ``server.wait_ready()`` (stopped again on any error). When the port was left for
+    ``start`` to pick (``server.port`` None) and the attempt failed because someone took it before the server bound
+    it ("Address already in use" in ``server.attempt_log()``), it starts again on a fresh port, up to
+    :data:`PORT_ATTEMPTS` times; a port the user chose fails at once."""
+    picked = server.port is None
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        server.start()
+        try:
+            server.wait_ready()
+            return
+        except UserError:
+            server.stop()
+            if not (picked and attempt < PORT_ATTEMPTS and "Address already in use" in server.attempt_log()):
+                raise
+            log.info("%s: the port it was given got taken; starting it on another", name)
+            server.port = None
+        except BaseException:
+            server.stop()
+            raise
+
+
+def read_from(path: Path, offset: int) -> str:
+    """``path``'s text from byte ``offset`` on ("" when it cannot be read): one start attempt's part of a log."""
+    with contextlib.suppress(OSError), path.open("rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+    return ""
+
+
 def check_port_free(port: int, host: str = HOST, option: str = "--port") -> None:
     """A :class:`UserError` when ``host:port`` cannot be bound (in use, or not a port)."""
     if not 0 < port < 65536:
@@ -245,6 +278,7 @@ class VllmServer:
         self.name = name
         self.process: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
+        self._log_offset = 0
 
     @property
     def url(self) -> str:
@@ -275,12 +309,7 @@ class VllmServer:
         return env
 
     def __enter__(self) -> VllmServer:
-        self.start()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
+        enter_on_a_port(self, self.name)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -296,15 +325,14 @@ class VllmServer:
         cmd = self.command()
         self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
         self._log_file.flush()
+        self._log_offset = self._log_file.tell()
         log.info("%s: starting on %s (log: %s)", self.name, self.url, self.log_path)
         self.process = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=self._env(), start_new_session=True)
 
-    def _log_text(self) -> str:
-        try:
-            return self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
+    def attempt_log(self) -> str:
+        """What the server wrote to its log since this attempt started it (the log file is appended to)."""
+        return read_from(self.log_path, self._log_offset)
 
     def wait_ready(self) -> None:
         """Poll ``/health`` until it answers 200; a process that exits first is a :class:`UserError`."""
@@ -313,7 +341,7 @@ class VllmServer:
         while True:
             code = self.process.poll()
             if code is not None:
-                reason = failure_reason(self._log_text()) or f"exit code {code}"
+                reason = failure_reason(self.attempt_log()) or f"exit code {code}"
                 raise UserError(f"{self.name} exited while starting: {reason} (log: {self.log_path})")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
@@ -333,7 +361,7 @@ class VllmServer:
         code = process.poll() if process is not None else None
         if process is not None and code is None:
             return
-        reason = failure_reason(self._log_text()) or (f"exit code {code}" if code is not None else "stopped")
+        reason = failure_reason(self.attempt_log()) or (f"exit code {code}" if code is not None else "stopped")
         raise UserError(f"{self.name} exited while serving: {reason} (log: {self.log_path})")
 
     def stop(self, grace: float = 30.0) -> None:
