@@ -71,6 +71,19 @@ def test_round_trip_of_a_two_layer_draft(tmp_path, tiny_llama_dir):
         export(ckpt, out=tmp_path / "sgl", format="eagle3-sglang", verifier_name=str(tiny_llama_dir))
 
 
+def test_a_whole_vocabulary_draft_is_written_without_vocab_maps(tmp_path, tiny_llama_dir):
+    """vLLM's EAGLE-3 model has no d2t parameter when the draft vocabulary is the verifier's, and refuses one."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(tiny_llama_dir).vocab_size
+    ckpt = make_checkpoint(tmp_path / "ckpt", tiny_llama_dir, draft_vocab=vocab, seed=6)
+    original, _ = load_draft(ckpt)
+    export(ckpt, out=tmp_path / "out", verifier_name=str(tiny_llama_dir))
+    assert not {"d2t", "t2d"} & set(load_file(str(tmp_path / "out" / "model.safetensors")))
+    imported, _ = import_draft(tmp_path / "out")
+    assert_same_draft(original, imported)
+
+
 def test_speculators_config_fields(tmp_path, llama_checkpoint, tiny_llama_dir):
     export(llama_checkpoint, out=tmp_path / "out", verifier_name=str(tiny_llama_dir), speculative_tokens=5,
            dtype="bfloat16")

@@ -137,3 +137,42 @@ def test_vllm_runs_a_qwen3_draft_with_norm_flags(vllm_python, tmp_path, tiny_qwe
     hf = [autoregressive_generate(target, p, max_new_tokens=16).tokens for p in prompts]
     target.close()
     assert spec["tokens"] == hf
+
+
+def test_vllm_counts_what_we_count_for_a_two_layer_draft(vllm_python, tmp_path, tiny_qwen3_dir, smollm2_tokenizer):
+    """A 2-layer EAGLE-3 draft that starts as the tiny Qwen3 verifier's last layers 6-7 (``init: verifier``, an early
+    exit that accepts often): vLLM's acceptance counters equal our evaluator's, so vLLM runs both layers as we do."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny_speculators.export import export, import_draft
+    from tiny_speculators.models.checkpoint import save_draft
+    from tiny_speculators.models.eagle3.family import Eagle3Options, build
+    from tiny_speculators.models.eagle3.proposer import Eagle3Proposer
+    from tiny_speculators.models.family import BuildInputs
+
+    aux = [2, 4, 6]  # the draft copies layers 6 and 7 and reads the state entering layer 6
+    verifier = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32)
+    vocab = verifier.config.vocab_size
+    inputs = BuildInputs(verifier_config=verifier.config, d2t=torch.zeros(vocab, dtype=torch.long),
+                         t2d=torch.ones(vocab, dtype=torch.bool), aux_layer_ids=aux,
+                         embed_weight=verifier.get_input_embeddings().weight.detach(),
+                         lm_head_weight=verifier.get_output_embeddings().weight.detach(),
+                         verifier_path=str(tiny_qwen3_dir))
+    draft = build(inputs, Eagle3Options(init="verifier", num_layers=2))
+    meta = {"aux_layer_ids": aux, "verifier": {"name_or_path": str(tiny_qwen3_dir), "hidden_size": 64,
+                                               "architectures": list(verifier.config.architectures or []),
+                                               "vocab_size": vocab}}
+    save_draft(tmp_path / "ckpt", draft, meta)
+    export(tmp_path / "ckpt", out=tmp_path / "export", verifier_name=str(tiny_qwen3_dir), speculative_tokens=K)
+    imported, _ = import_draft(tmp_path / "export")
+    ours = our_acceptance(Eagle3Proposer(imported.eval()), aux, tiny_qwen3_dir, smollm2_tokenizer, K, 48)
+    (tmp_path / "prompts.json").write_text(json.dumps(ours["prompts"]))
+    run_vllm(vllm_python, "generate", str(tmp_path / "export"), str(tmp_path / "spec.json"), "--prompts",
+             str(tmp_path / "prompts.json"), "--max-tokens", "48", "--max-model-len", "512")
+    spec = json.loads((tmp_path / "spec.json").read_text())
+    assert spec["architectures"]["draft_num_hidden_layers"] == 2
+    assert spec["tokens"] == ours["hf_tokens"] == ours["spec_tokens"]
+    drafts, accepted, per_pos = counters(spec)
+    assert (drafts, accepted, per_pos) == (ours["drafts"], ours["accepted"], ours["per_position"]), ours
+    assert ours["accepted"] >= 20, "the early exit should accept: the comparison would mean nothing"
+

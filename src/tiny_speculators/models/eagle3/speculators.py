@@ -1,8 +1,9 @@
 """The vLLM "speculators" format for EAGLE-3 drafts: what ``vllm serve <dir>`` loads as it is.
 
-``config.json`` (``speculators_model_type: "eagle3"``, the draft's decoder layer as a full HF config in
+``config.json`` (``speculators_model_type: "eagle3"``, the draft's decoder layers as a full HF config in
 ``transformer_layer_config``, the verifier in ``speculators_config.verifier``) + ``model.safetensors``
-with the draft's weights under their speculators names, ``d2t`` and ``t2d``.
+with the draft's weights under their speculators names, ``d2t`` and ``t2d`` (left out when the draft vocabulary is
+the verifier's whole one: vLLM has nothing to load them into then).
 
 ``embed_tokens.weight`` is left out unless the draft trained its own embeddings: vLLM then shares
 the verifier's embedding matrix with the draft (``llm_base_proposer``: "EAGLE model without its own
@@ -123,11 +124,22 @@ def speculators_config(
 
 def export_state(state: Mapping[str, torch.Tensor], kwargs: Mapping[str, Any],
                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The tensors written to ``model.safetensors``: every draft tensor, minus frozen verifier embeddings."""
-    out = dict(state)
+    """The tensors written to ``model.safetensors``: every draft tensor, minus frozen verifier embeddings and
+    :func:`without_identity_maps`."""
+    out = without_identity_maps(state, kwargs)
     if not kwargs.get("train_embeddings", False):
         out.pop("embed_tokens.weight", None)
     return cast_state(out, dtype)
+
+
+def without_identity_maps(state: Mapping[str, torch.Tensor], kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """``state`` without ``d2t``/``t2d`` when the draft vocabulary is the verifier's whole vocabulary: vLLM's EAGLE-3
+    model then has no map to load them into and refuses the file (the importer restores identity maps)."""
+    out = dict(state)
+    if int(kwargs["draft_vocab_size"]) == int(kwargs["vocab_size"]):
+        out.pop("d2t", None)
+        out.pop("t2d", None)
+    return out
 
 
 # ---------------------------------------------------------------- reading

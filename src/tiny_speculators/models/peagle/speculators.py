@@ -6,7 +6,8 @@ vLLM runs as ``eagle3`` with ``parallel_drafting``):
   (vLLM's P-EAGLE reader takes them only there; ``fc_norm`` is not read for P-EAGLE, so it is not offered),
   ``num_depths`` (the depths it was trained for).
 * ``model.safetensors``: ``layers.{i}.*`` (layer 0 the EAGLE-3 layer with 2H-wide q/k/v and ``hidden_norm``,
-  the rest plain layers), ``fc``, ``norm``, ``lm_head``, ``d2t``/``t2d``, ``mask_hidden`` [1, 1, n_aux*Ht], and
+  the rest plain layers), ``fc``, ``norm``, ``lm_head``, ``d2t``/``t2d`` (not for a whole-vocabulary draft),
+  ``mask_hidden`` [1, 1, n_aux*Ht], and
   ``embed_tokens.weight`` only when the draft trained its own (else vLLM shares the verifier's).
 
 vLLM's draft loader does not report missing tensors (they stay uninitialized), so :func:`write` checks that
@@ -34,6 +35,7 @@ from tiny_speculators.models.eagle3.speculators import (
     speculative_tokens_of,
     transformer_layer_config,
     verifier_of,
+    without_identity_maps,
 )
 from tiny_speculators.models.family import DraftFormat, ExportInfo
 from tiny_speculators.models.files import cast_state, dtype_name, read_json
@@ -72,10 +74,10 @@ def config(kwargs: Mapping[str, Any], info: ExportInfo) -> dict[str, Any]:
 
 def write(draft, info: ExportInfo) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     check_proposal(info.speculative_tokens, info.verifier_name)
-    state = dict(draft.state_dict())
+    state = without_identity_maps(draft.state_dict(), draft.kwargs)
     if not draft.kwargs.get("train_embeddings", False):
         state.pop("embed_tokens.weight")
-    expected = set(draft.state_dict()) - ({"embed_tokens.weight"} - set(state))
+    expected = set(draft.state_dict()) - ({"embed_tokens.weight", "d2t", "t2d"} - set(state))
     if set(state) != expected:
         raise UserError(f"P-EAGLE export is missing tensors {sorted(expected - set(state))}")
     return config(draft.kwargs, info), cast_state(state, info.dtype)
