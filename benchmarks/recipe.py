@@ -10,7 +10,7 @@ train offline (a subprocess), export, evaluate with real speculative decoding on
 k = 3 (``--ks``): held-out τ; plus train and validation accuracy per draft step and training seconds. Prints a
 markdown table, writes ``results.json`` and ``recipe.png`` into ``--work`` (a recipe already measured there with the
 same settings is reused, so an interrupted benchmark continues, and ``results.json`` keeps the rows of earlier
-invocations with the same settings; a row measured with other settings is an error).
+invocations; one ``--work`` holds one set of settings: a row measured with others stops the run before it trains).
 
 Data: a pipeline run's vocab / extract folders (``--run``, read only), so every recipe trains on the same stored
 hidden states (``--hidden-states``: another extraction of the same samples, e.g. at other aux layers).
@@ -110,23 +110,27 @@ def main() -> None:
             raise SystemExit(f"{a.run / sub} is missing: run the pipeline first (it needs vocab and extract)")
     recipes = {spec: parse_recipe(spec) for spec in a.recipes}  # all specs checked before the first run
     a.work.mkdir(parents=True, exist_ok=True)
-    settings = {"run": str(a.run.resolve()), "hidden_states": str(a.hidden_states or ""), "algorithm": a.algorithm,
-                "steps": a.steps, "batch_tokens": a.batch_tokens, "lr": a.lr, "max_prompts": a.max_prompts,
-                "max_new_tokens": a.max_new_tokens, "seed": a.seed}
-    total = a.work / "results.json"  # every row measured in --work with these settings, earlier invocations' too
-    results: dict[str, dict] = {spec: row for spec, row in (json.loads(total.read_text()) if total.is_file()
-                                                            else {}).items() if row.get("settings") == settings}
+    settings = {"run": str(a.run.resolve()), "hidden_states": str(a.hidden_states.resolve() if a.hidden_states else ""),
+                "algorithm": a.algorithm, "steps": a.steps, "batch_tokens": a.batch_tokens, "lr": a.lr,
+                "ks": a.ks, "max_prompts": a.max_prompts, "max_new_tokens": a.max_new_tokens, "seed": a.seed}
+    total = a.work / "results.json"  # every row measured in --work, earlier invocations' too: one settings per --work
+    results: dict[str, dict] = json.loads(total.read_text()) if total.is_file() else {}
+    tags = {spec: spec.replace("/", "_").replace(":", "").replace("+", "-").replace("=", "").replace(",", "-")
+            for spec in recipes}
+    rows = [(str(total), row) for row in results.values()] + [
+        (str(path), json.loads(path.read_text())) for path in (a.work / f"{t}.json" for t in tags.values())
+        if path.is_file()]
+    for where, row in rows:  # checked before the first run
+        if row.get("settings") != settings:
+            raise SystemExit(f"{where} holds a row measured with other settings ({row.get('settings')}); "
+                             "use another --work")
     for spec, recipe in recipes.items():
-        tag = spec.replace("/", "_").replace(":", "").replace("+", "-").replace("=", "").replace(",", "-")
+        tag = tags[spec]
         if (a.work / f"{tag}.json").is_file():  # resume a partly measured benchmark
-            row = json.loads((a.work / f"{tag}.json").read_text())
-            if row.get("settings") != settings:
-                raise SystemExit(f"{a.work / f'{tag}.json'} was measured with other settings ({row.get('settings')}); "
-                                 "use another --work")
-            results[spec] = row
+            results[spec] = json.loads((a.work / f"{tag}.json").read_text())
             continue
         out = a.work / tag
-        row: dict = {"recipe": recipe, "settings": settings, **train_recipe(a.run, out, recipe, a)}
+        row = {"recipe": recipe, "settings": settings, **train_recipe(a.run, out, recipe, a)}
         export(out, out=a.work / f"{tag}-export")
         row["k"] = {}
         for k in a.ks:

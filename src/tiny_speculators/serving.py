@@ -127,18 +127,21 @@ PORT_ATTEMPTS = 3  # a port picked free can be taken before the server binds it 
 
 def enter_on_a_port(server: Any, name: str) -> None:
     """``server.start()`` + ``server.wait_ready()`` (stopped again on any error). When the port was left for
-    ``start`` to pick (``server.port`` None) and the attempt failed because someone took it before the server bound
+    ``start`` to pick (``server.port`` None) and the server exited because someone took it before the server bound
     it ("Address already in use" in ``server.attempt_log()``), it starts again on a fresh port, up to
-    :data:`PORT_ATTEMPTS` times; a port the user chose fails at once."""
+    :data:`PORT_ATTEMPTS` times; a port the user chose, or a server that is still running (a startup timeout), fails
+    at once."""
     picked = server.port is None
     for attempt in range(1, PORT_ATTEMPTS + 1):
-        server.start()
         try:
+            server.start()
             server.wait_ready()
             return
         except UserError:
+            exited = server.process is not None and server.process.poll() is not None
             server.stop()
-            if not (picked and attempt < PORT_ATTEMPTS and "Address already in use" in server.attempt_log()):
+            if not (picked and exited and attempt < PORT_ATTEMPTS
+                    and "Address already in use" in server.attempt_log()):
                 raise
             log.info("%s: the port it was given got taken; starting it on another", name)
             server.port = None

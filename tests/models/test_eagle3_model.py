@@ -123,7 +123,7 @@ VARIANTS = {
     "norm_before_residual": {"norm_before_residual": True},
     "fc_norms+bias": {"norm_before_fc": True, "fc_norm": True, "attention_bias": True},
     "3 layers": {"num_layers": 3, "norm_before_residual": True},
-    "2 qwen3 layers": {"num_layers": 2, "layer_type": "qwen3", "attention_bias": True},
+    "2 qwen3 layers": {"num_layers": 2, "layer_type": "qwen3"},
 }
 
 

@@ -103,7 +103,7 @@ def gather_objects(obj, info: DistInfo) -> list:
 
 
 def wrap_model(model: nn.Module, info: DistInfo, fsdp: bool) -> nn.Module:
-    """DDP (default) or FSDP2 ``fully_shard`` (one group: the draft is a single decoder layer); unchanged for
+    """DDP (default) or FSDP2 ``fully_shard`` (one group: a draft is one or a few small decoder layers); unchanged for
     one process without FSDP. Frozen parameters (the embedding) are excluded from gradient sync by DDP."""
     if fsdp:
         from torch.distributed.fsdp import fully_shard

@@ -80,9 +80,10 @@ def build(inputs: BuildInputs, options: Eagle3Options) -> Eagle3Draft:
         layer = inputs.aux_layer_ids[-1] if options.init_layer is None else options.init_layer
         n_layers = int(getattr(inputs.verifier_config, "num_hidden_layers", 0))
         if not 0 <= layer <= n_layers - options.num_layers:
+            which = f"eagle3 init_layer {layer}" + (" (the last aux layer)" if options.init_layer is None else "")
             if options.num_layers == 1:
-                raise UserError(f"eagle3 init_layer {layer} is not a decoder layer of the verifier (0..{n_layers - 1})")
-            raise UserError(f"eagle3 init_layer {layer} with num_layers {options.num_layers} copies verifier layers "
+                raise UserError(f"{which} is not a decoder layer of the verifier (0..{n_layers - 1})")
+            raise UserError(f"{which} with num_layers {options.num_layers} copies verifier layers "
                             f"{layer}..{layer + options.num_layers - 1}, but its decoder layers are 0..{n_layers - 1}")
         init_from_verifier_layer(draft, resolve_verifier(inputs.verifier_path), layer)
     return draft
