@@ -176,7 +176,8 @@ def read_config(directory: Path) -> dict[str, Any]:
         raise UserError(f"{where} is missing speculators_config.proposal_methods[0].speculative_tokens")
     if not isinstance(spec.get("verifier"), Mapping) or "name_or_path" not in spec["verifier"]:
         raise UserError(f"{where} is missing speculators_config.verifier.name_or_path")
-    if not isinstance(layer.get("num_hidden_layers", 1), int) or int(layer.get("num_hidden_layers", 1)) < 1:
+    layers = layer.get("num_hidden_layers", 1)
+    if not isinstance(layers, int) or layers < 1:
         raise UserError(f"{where}: transformer_layer_config.num_hidden_layers must be a positive integer, got "
                         f"{layer['num_hidden_layers']!r}")
     if layer.get("model_type", "llama") not in LAYER_ARCHITECTURES:
@@ -196,8 +197,10 @@ def draft_kwargs(cfg: Mapping[str, Any], fc_in_features: int | None = None) -> d
             raise UserError(f"fc.weight takes {fc_in_features} inputs, not a multiple of the verifier hidden "
                             f"size {target_hidden}")
         num_aux = fc_in_features // target_hidden
+    layers = int(layer.get("num_hidden_layers", 1))
     return dict(
         **layer_shape_of(layer),
+        **({"num_layers": layers} if layers != 1 else {}),  # one-layer drafts keep the kwargs they always had
         draft_vocab_size=int(cfg["draft_vocab_size"]),
         target_hidden_size=target_hidden,
         num_aux=num_aux,
@@ -208,7 +211,6 @@ def draft_kwargs(cfg: Mapping[str, Any], fc_in_features: int | None = None) -> d
         fc_norm=bool(cfg.get("fc_norm", False)),
         norm_output=bool(cfg.get("norm_output", False)),
         train_embeddings=bool(cfg.get("embed_requires_grad", False)),
-        **({"num_layers": layers} if (layers := int(layer.get("num_hidden_layers", 1))) != 1 else {}),
     )
 
 

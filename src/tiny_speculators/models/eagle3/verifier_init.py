@@ -30,21 +30,29 @@ __all__ = ["init_from_verifier_layer"]
 NORM_KEYS = ("model.norm.weight", "norm.weight", "model.language_model.norm.weight")
 
 
-def _tensors(folder: str, layer: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _tensors(folder: str, first: int, count: int) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+    """Verifier layers ``first .. first + count - 1`` (names relative to the layer) and its final norm, one read."""
     from tiny_speculators.verifier.describe import read_tensors, safetensor_index
 
     index = safetensor_index(Path(folder))
     if not index:
         raise UserError(f"eagle3 init 'verifier' reads the verifier's decoder layer from its safetensors, and "
                         f"{folder} has none: pass a local verifier folder, or init 'random'")
-    prefix = next((p for p in (f"model.layers.{layer}.", f"model.language_model.layers.{layer}.")
-                   if any(k.startswith(p) for k in index)), None)
+    prefixes = []
+    for layer in range(first, first + count):
+        prefix = next((p for p in (f"model.layers.{layer}.", f"model.language_model.layers.{layer}.")
+                       if any(k.startswith(p) for k in index)), None)
+        if prefix is None:
+            raise UserError(f"verifier {folder} has no decoder layer {layer} or final norm in its safetensors "
+                            "(eagle3 init_layer)")
+        prefixes.append(prefix)
     norm = next((k for k in NORM_KEYS if k in index), None)
-    if prefix is None or norm is None:
-        raise UserError(f"verifier {folder} has no decoder layer {layer} or final norm in its safetensors "
+    if norm is None:
+        raise UserError(f"verifier {folder} has no decoder layer {first} or final norm in its safetensors "
                         "(eagle3 init_layer)")
-    state = read_tensors(index, [k for k in index if k.startswith(prefix)] + [norm])
-    return {k.removeprefix(prefix): v for k, v in state.items() if k != norm}, state[norm]
+    state = read_tensors(index, [k for k in index if k.startswith(tuple(prefixes))] + [norm])
+    layers = [{k.removeprefix(p): v for k, v in state.items() if k.startswith(p)} for p in prefixes]
+    return layers, state[norm]
 
 
 @torch.no_grad()
@@ -53,8 +61,8 @@ def init_from_verifier_layer(draft: Eagle3Draft, folder: str, layer: int) -> Non
     into ``draft`` as laid out above."""
     aux_ids = draft.kwargs.get("aux_layer_ids") or []
     h = draft.hidden_size  # the copies below fail with a one-line error unless it is the verifier's
-    for i, ours in enumerate(draft.layers):
-        tensors, final_norm = _tensors(folder, layer + i)
+    all_tensors, final_norm = _tensors(folder, layer, len(draft.layers))
+    for i, (ours, tensors) in enumerate(zip(draft.layers, all_tensors, strict=True)):
         plain = {f"self_attn.{n}_proj.weight": getattr(ours.self_attn, f"{n}_proj").weight
                  for n in ("q", "k", "v", "o") if i > 0 or n == "o"}
         plain |= {"post_attention_layernorm.weight": ours.post_attention_layernorm.weight,
