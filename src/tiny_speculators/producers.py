@@ -34,7 +34,7 @@ from tiny_speculators.serving import (
     HOST,
     VllmServer,
     check_port_free,
-    enter_on_a_port,
+    enter_on_ports,
     free_ports,
     read_from,
     stop_process_group,
@@ -132,6 +132,8 @@ def producer_server(python: Path, verifier: str, layer_ids: list[int], master: s
 class MooncakeMaster:
     """``mooncake_master`` on a loopback port for the life of a ``with`` block (own process group, log file)."""
 
+    name = "mooncake_master"
+
     def __init__(self, log_path: Path, port: int | None = None, startup_timeout: float = 60.0) -> None:
         self.log_path = Path(log_path)
         self.port = port
@@ -147,7 +149,7 @@ class MooncakeMaster:
         return f"{HOST}:{self.port}"
 
     def __enter__(self) -> MooncakeMaster:
-        enter_on_a_port(self, "mooncake_master")  # ports it picked may be taken before it binds them: pick again
+        enter_on_ports([self])  # ports it picked may be taken before it binds them: pick again
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -34,8 +34,8 @@ from typing import IO, Any
 
 from tiny_speculators.errors import UserError
 
-__all__ = ["VllmServer", "build_vllm_env", "check_port_free", "clean_env", "default_vllm_venv", "free_port",
-           "free_ports", "sigterm_as_exit", "stop_process_group", "vllm_python"]
+__all__ = ["VllmServer", "build_vllm_env", "check_port_free", "clean_env", "default_vllm_venv", "enter_on_ports",
+           "free_port", "free_ports", "sigterm_as_exit", "stop_process_group", "vllm_python"]
 
 log = logging.getLogger(__name__)
 
@@ -125,29 +125,40 @@ def free_ports(count: int, host: str = HOST) -> list[int]:
 PORT_ATTEMPTS = 3  # a port picked free can be taken before the server binds it (a busy machine): pick again
 
 
-def enter_on_a_port(server: Any, name: str) -> None:
-    """``server.start()`` + ``server.wait_ready()`` (stopped again on any error). When the port was left for
-    ``start`` to pick (``server.port`` None) and the server exited because someone took it before the server bound
-    it ("Address already in use" in ``server.attempt_log()``), it starts again on a fresh port, up to
+def enter_on_ports(servers: Sequence[Any]) -> None:
+    """Start every server, then wait until each is ready (all are stopped again on any error). When a server's port
+    was left for ``start`` to pick (``port`` None) and the server exited because someone took it before the server
+    bound it ("Address already in use" in ``server.attempt_log()``), that server starts again on a fresh port, up to
     :data:`PORT_ATTEMPTS` times; a port the user chose, or a server that is still running (a startup timeout), fails
-    at once."""
-    picked = server.port is None
+    at once. The servers are ``VllmServer``-like: ``port``, ``process``, ``name``, ``start``, ``wait_ready``,
+    ``attempt_log``, ``stop``."""
+    picked = [server.port is None for server in servers]
+    try:
+        for server in servers:  # all start at once: their slow imports overlap
+            server.start()
+        for server, own_port in zip(servers, picked, strict=True):
+            _wait_or_start_again(server, own_port)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+
+
+def _wait_or_start_again(server: Any, own_port: bool) -> None:
     for attempt in range(1, PORT_ATTEMPTS + 1):
         try:
-            server.start()
+            if attempt > 1:
+                server.start()
             server.wait_ready()
             return
         except UserError:
             exited = server.process is not None and server.process.poll() is not None
             server.stop()
-            if not (picked and exited and attempt < PORT_ATTEMPTS
+            if not (own_port and exited and attempt < PORT_ATTEMPTS
                     and "Address already in use" in server.attempt_log()):
                 raise
-            log.info("%s: the port it was given got taken; starting it on another", name)
+            log.info("%s: the port it was given got taken; starting it on another", server.name)
             server.port = None
-        except BaseException:
-            server.stop()
-            raise
 
 
 def read_from(path: Path, offset: int) -> str:
@@ -312,7 +323,7 @@ class VllmServer:
         return env
 
     def __enter__(self) -> VllmServer:
-        enter_on_a_port(self, self.name)
+        enter_on_ports([self])
         return self
 
     def __exit__(self, *exc: object) -> None:

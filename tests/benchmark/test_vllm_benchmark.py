@@ -25,7 +25,7 @@ import pytest
 
 from serving_helpers import vllm_processes
 from tiny_speculators import cli
-from tiny_speculators.serving import VllmServer, vllm_python
+from tiny_speculators.serving import VllmServer, enter_on_ports, vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -164,7 +164,8 @@ def test_rejected_draft_is_one_line(bench_venv, exported_draft, tmp_path, capsys
 
 def test_a_port_taken_before_vllm_binds_it_is_picked_again(bench_venv, tmp_path, monkeypatch):
     """vLLM binds its port ~15 s after it was picked free (its imports): a busy machine can take it first. The
-    server then starts again on a fresh port; its error is the second attempt's own (here: no such model)."""
+    server then starts again on a fresh port; its error is the second attempt's own (here: no such model). Servers
+    started together (``train --producer vllm``'s producers) do the same, and all are stopped on the error."""
     import socket
 
     from tiny_speculators import serving
@@ -177,17 +178,17 @@ def test_a_port_taken_before_vllm_binds_it_is_picked_again(bench_venv, tmp_path,
         picks = iter([busy])
         real = serving.free_port
         monkeypatch.setattr(serving, "free_port", lambda *a: next(picks, None) or real(*a))
-        server = VllmServer(vllm_python(bench_venv), str(tmp_path / "no-such-model"), log_path=tmp_path / "serve.log",
-                            startup_timeout=300)
-        with pytest.raises(UserError) as err, server:
-            pytest.fail("there is no model to serve")
+        server, other = (VllmServer(vllm_python(bench_venv), str(tmp_path / "no-such-model"), startup_timeout=300,
+                                    log_path=tmp_path / f"{name}.log") for name in ("serve", "other"))
+        with pytest.raises(UserError) as err:
+            enter_on_ports([server, other])
     text = (tmp_path / "serve.log").read_text()
     commands = [line for line in text.splitlines() if line.startswith("$ ")]
     assert len(commands) == 2 and f"--port {busy} " in commands[0] and f"--port {busy} " not in commands[1], commands
     first = text.split(commands[1])[0]
     assert "Address already in use" in first
     assert "Address already in use" not in str(err.value) and "no-such-model" in str(err.value), err.value
-    assert server.process is None and vllm_processes([server.port]) == []
+    assert server.process is None and other.process is None and vllm_processes([server.port, other.port]) == []
 
 
 def test_ctrl_c_stops_the_server(bench_venv, exported_draft, tmp_path):

@@ -271,7 +271,7 @@ def _start(stack: contextlib.ExitStack, *, verifier: str, layer_ids: list[int], 
            master: str | None, count: int, out: Path, vllm_venv: Path | None, dtype: str,
            max_model_len: int) -> tuple[list[str], str]:
     from tiny_speculators.producers import MooncakeMaster, check_master, producer_server
-    from tiny_speculators.serving import build_vllm_env
+    from tiny_speculators.serving import build_vllm_env, enter_on_ports
 
     if master is None:
         if urls:
@@ -288,9 +288,7 @@ def _start(stack: contextlib.ExitStack, *, verifier: str, layer_ids: list[int], 
     servers = [producer_server(python, verifier, layer_ids, master, log_path=out / "logs" / f"producer{i}.log",
                                dtype=dtype, max_model_len=max_model_len, name=f"vLLM producer {i}")
                for i in range(count)]
-    for server in servers:  # all start at once; each is stopped on the way out, whatever happens
+    for server in servers:  # each is stopped on the way out, whatever happens
         stack.callback(server.stop)
-        server.start()
-    for server in servers:
-        server.wait_ready()
+    enter_on_ports(servers)  # all start at once; a port taken before binding: another
     return [s.url for s in servers], master
