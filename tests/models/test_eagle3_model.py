@@ -102,7 +102,7 @@ def _reference_attention(sd, kw, L, x, pos):
             scores = scores.masked_fill(torch.ones(t, t).triu(1).bool(), float("-inf"))
             out[bi, :, h * d:(h + 1) * d] = torch.softmax(scores, dim=-1) @ vh
     a = out @ sd[L + "self_attn.o_proj.weight"].T
-    if kw.get("attention_bias"):
+    if kw.get("attention_bias") and kw.get("layer_type") != "qwen3":  # vLLM's Qwen3 o_proj has no bias
         a = a + sd[L + "self_attn.o_proj.bias"]
     return a
 
@@ -124,6 +124,7 @@ VARIANTS = {
     "fc_norms+bias": {"norm_before_fc": True, "fc_norm": True, "attention_bias": True},
     "3 layers": {"num_layers": 3, "norm_before_residual": True},
     "2 qwen3 layers": {"num_layers": 2, "layer_type": "qwen3"},
+    "2 qwen3 layers+bias": {"num_layers": 2, "layer_type": "qwen3", "attention_bias": True},
 }
 
 

@@ -103,16 +103,22 @@ class KVCache:
         self.later = []
 
 
+def o_proj_bias(attention_bias: bool, layer_type: str) -> bool:
+    """vLLM: Llama's ``bias_o_proj`` is ``attention_bias``; Qwen3's o_proj never has a bias (only q/k/v do)."""
+    return attention_bias and layer_type != "qwen3"
+
+
 class Attention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
-                 qk_norm: bool, eps: float, input_size: int | None = None) -> None:
+                 qk_norm: bool, eps: float, input_size: int | None = None, o_bias: bool | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         input_size = input_size or 2 * hidden_size  # the EAGLE-3 layer reads concat(embedding, hidden)
         self.q_proj = nn.Linear(input_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)  # vLLM: bias_o_proj = attention_bias
+        o_bias = bias if o_bias is None else o_bias
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
         if qk_norm:  # Qwen3: RMSNorm over each head's dim, before RoPE
             self.q_norm = RMSNorm(head_dim, eps)
             self.k_norm = RMSNorm(head_dim, eps)
@@ -150,7 +156,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
         self.hidden_norm = RMSNorm(hidden_size, rms_norm_eps)
         self.self_attn = Attention(hidden_size, num_attention_heads, num_key_value_heads, head_dim,
-                                   attention_bias, layer_type == "qwen3", rms_norm_eps)
+                                   attention_bias, layer_type == "qwen3", rms_norm_eps,
+                                   o_bias=o_proj_bias(attention_bias, layer_type))
         self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
         self.mlp = MLP(hidden_size, intermediate_size)
 
@@ -171,7 +178,8 @@ class LlamaLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
         self.self_attn = Attention(hidden_size, num_attention_heads, num_key_value_heads, head_dim, attention_bias,
-                                   layer_type == "qwen3", rms_norm_eps, input_size=hidden_size)
+                                   layer_type == "qwen3", rms_norm_eps, input_size=hidden_size,
+                                   o_bias=o_proj_bias(attention_bias, layer_type))
         self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
         self.mlp = MLP(hidden_size, intermediate_size)
 
