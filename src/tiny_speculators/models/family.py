@@ -200,6 +200,9 @@ class DraftFamily:
     # drafts of other families this one starts from (train --init-from): family name -> (that draft, this run's
     # options) -> a draft of this family holding its weights
     warm_starts: Mapping[str, Callable[[nn.Module, Any], nn.Module]] = field(default_factory=dict)
+    # options that fix the architecture (also keyword arguments of ``model``): a draft started from with
+    # --init-from keeps its own shape, so a run that sets one of them to another value than the draft's is refused
+    shape_options: tuple[str, ...] = ()
 
     def format(self, name: str | None = None) -> DraftFormat:
         if name is None:

@@ -234,7 +234,23 @@ def _initial_draft(opts: TrainOptions, family: DraftFamily, head, aux: list[int]
     if hasattr(draft, "d2t") and not torch.equal(draft.d2t.cpu(), d2t.long()):
         raise UserError(f"--init-from {opts.init_from} has a different draft vocabulary than "
                         f"{opts.vocab or 'the verifier'}")
+    _check_shape(draft, family, opts.family, opts.init_from)
     return draft
+
+
+def _check_shape(draft: nn.Module, family: DraftFamily, options: Any, source: Path) -> None:
+    """A shape option the run sets (away from its default) must be what the --init-from draft has: that draft keeps
+    its own architecture, and silently training another shape than the one asked for is worse than an error."""
+    import inspect
+
+    defaults, params = family.options(), inspect.signature(family.model).parameters
+    for name in family.shape_options:
+        wanted = getattr(options, name)
+        has = draft.kwargs.get(name, params[name].default)
+        if wanted != getattr(defaults, name) and has != wanted:
+            raise UserError(f"--init-from {source} has {name} {has}, this run sets {family.name}.{name} {wanted}: "
+                            "a draft started from keeps its own shape (leave the option out, or start from a draft "
+                            "of that shape)")
 
 
 def freeze_parameters(draft: nn.Module, names: list[str]) -> None:

@@ -111,4 +111,5 @@ FAMILY = DraftFamily(
     proposer=Eagle3Proposer,
     formats=(speculators.FORMAT, sglang.FORMAT),
     speculative_tokens=lambda options: options.ttt_steps,
+    shape_options=("num_layers", "fc_norm", "norm_before_residual"),
 )

@@ -92,4 +92,5 @@ FAMILY = DraftFamily(
     proposer=PEagleProposer,
     formats=(speculators.FORMAT,),
     speculative_tokens=lambda options: options.depths,
+    shape_options=("num_layers", "norm_before_residual"),
 )
