@@ -7,6 +7,7 @@ and the checkpoint glue (save / resume / best / final) on top of a :mod:`state_i
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -241,8 +242,6 @@ def _initial_draft(opts: TrainOptions, family: DraftFamily, head, aux: list[int]
 def _check_shape(draft: nn.Module, family: DraftFamily, options: Any, source: Path) -> None:
     """A shape option the run sets (away from its default) must be what the --init-from draft has: that draft keeps
     its own architecture, and silently training another shape than the one asked for is worse than an error."""
-    import inspect
-
     defaults, params = family.options(), inspect.signature(family.model).parameters
     for name in family.shape_options:
         wanted = getattr(options, name)

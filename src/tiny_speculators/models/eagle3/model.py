@@ -110,14 +110,13 @@ def o_proj_bias(attention_bias: bool, layer_type: str) -> bool:
 
 class Attention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
-                 qk_norm: bool, eps: float, input_size: int | None = None, o_bias: bool | None = None) -> None:
+                 qk_norm: bool, eps: float, input_size: int | None = None, o_bias: bool = False) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         input_size = input_size or 2 * hidden_size  # the EAGLE-3 layer reads concat(embedding, hidden)
         self.q_proj = nn.Linear(input_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=bias)
-        o_bias = bias if o_bias is None else o_bias
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
         if qk_norm:  # Qwen3: RMSNorm over each head's dim, before RoPE
             self.q_norm = RMSNorm(head_dim, eps)

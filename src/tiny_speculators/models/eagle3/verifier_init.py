@@ -43,13 +43,11 @@ def _tensors(folder: str, first: int, count: int) -> tuple[list[dict[str, torch.
         prefix = next((p for p in (f"model.layers.{layer}.", f"model.language_model.layers.{layer}.")
                        if any(k.startswith(p) for k in index)), None)
         if prefix is None:
-            raise UserError(f"verifier {folder} has no decoder layer {layer} or final norm in its safetensors "
-                            "(eagle3 init_layer)")
+            raise UserError(f"verifier {folder} has no decoder layer {layer} in its safetensors (eagle3 init_layer)")
         prefixes.append(prefix)
     norm = next((k for k in NORM_KEYS if k in index), None)
     if norm is None:
-        raise UserError(f"verifier {folder} has no decoder layer {first} or final norm in its safetensors "
-                        "(eagle3 init_layer)")
+        raise UserError(f"verifier {folder} has no final norm in its safetensors (looked for {', '.join(NORM_KEYS)})")
     state = read_tensors(index, [k for k in index if k.startswith(tuple(prefixes))] + [norm])
     layers = [{k.removeprefix(p): v for k, v in state.items() if k.startswith(p)} for p in prefixes]
     return layers, state[norm]

@@ -74,10 +74,11 @@ def config(kwargs: Mapping[str, Any], info: ExportInfo) -> dict[str, Any]:
 
 def write(draft, info: ExportInfo) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     check_proposal(info.speculative_tokens, info.verifier_name)
-    state = without_identity_maps(draft.state_dict(), draft.kwargs)
+    full = draft.state_dict()
+    state = without_identity_maps(full, draft.kwargs)
     if not draft.kwargs.get("train_embeddings", False):
         state.pop("embed_tokens.weight")
-    expected = set(draft.state_dict()) - ({"embed_tokens.weight", "d2t", "t2d"} - set(state))
+    expected = set(full) - ({"embed_tokens.weight", "d2t", "t2d"} - set(state))
     if set(state) != expected:
         raise UserError(f"P-EAGLE export is missing tensors {sorted(expected - set(state))}")
     return config(draft.kwargs, info), cast_state(state, info.dtype)
