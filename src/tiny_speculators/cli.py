@@ -126,7 +126,15 @@ def _config_values(stage: str, path: Path) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    code = _run(list(sys.argv[1:] if argv is None else argv))
+    # a torchrun rank on CPU ends without interpreter finalization, which gloo's threads may crash
+    distributed = sys.modules.get("tiny_speculators.train.distributed")
+    if distributed is not None:
+        distributed.exit_without_finalizing(code)
+    return code
+
+
+def _run(argv: list[str]) -> int:
     stage = _stage_of(argv)
     try:
         parser = build_parser(stage)

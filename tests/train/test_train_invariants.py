@@ -80,13 +80,29 @@ def test_ddp_two_processes_equal_one(tiny_inputs, tmp_path):
     assert ddp["tokens_seen"] == single["tokens_seen"]
 
 
-def _two_node_agents(cmd: list[str], port: int) -> list[subprocess.Popen]:
-    """Two torchrun agents, one process each, meeting through c10d rendezvous on 127.0.0.1 as two nodes do."""
+def _two_node_agents(cmd: list[str], port: int, logs: Path) -> list[tuple[int | None, str]]:
+    """Two torchrun agents, one process each, meeting through c10d rendezvous on 127.0.0.1 as two nodes do: each
+    agent's exit code (None: killed after 300 s, or left waiting for an agent that failed) and what it printed."""
     rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
             f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}"]
     launcher = [sys.executable, "-m", "torch.distributed.run"]
-    return [subprocess.Popen([*launcher, *rdzv, *cmd[len(launcher) + 1:]], env=ENV, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    logs.mkdir()
+    agents = []
+    for i in range(2):
+        with (logs / f"agent{i}.log").open("w") as log:
+            agents.append(subprocess.Popen([*launcher, *rdzv, *cmd[len(launcher) + 1:]], env=ENV,
+                                           stdout=subprocess.DEVNULL, stderr=log))
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and any(a.poll() is None for a in agents):
+        if any(a.returncode not in (None, 0) for a in agents):
+            break
+        time.sleep(0.2)
+    for a in agents:
+        if a.poll() is None:
+            a.kill()
+            a.wait()
+    return [(a.returncode if a.returncode != -signal.SIGKILL else None, (logs / f"agent{i}.log").read_text())
+            for i, a in enumerate(agents)]
 
 
 @pytest.mark.parametrize("fsdp", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["ddp", "fsdp"])
@@ -99,13 +115,9 @@ def test_two_nodes_equal_one_process(tiny_inputs, tmp_path, fsdp):
         train(**_common(tiny_inputs, tmp_path / "one", max_steps=2, batch_size=2))
     extra = ("--fsdp",) if fsdp else ()
     cmd = _cli(tiny_inputs, tmp_path / "nodes", "--max-steps", "2", "--batch-size", "1", *extra, torchrun=1)
-    agents = _two_node_agents(cmd, free_port())
-    try:
-        outputs = [a.communicate(timeout=300) for a in agents]
-    finally:
-        for a in agents:
-            a.kill()
-    assert [a.returncode for a in agents] == [0, 0], outputs
+    outputs = _two_node_agents(cmd, free_port(), tmp_path / "logs")
+    assert [code for code, _ in outputs] == [0, 0], "\n".join(f"agent {i} exited {code}:\n{err[-3000:]}"
+                                                           for i, (code, err) in enumerate(outputs))
     _assert_same(_weights(tmp_path / "one"), _weights(tmp_path / "nodes"))
     assert json.loads((tmp_path / "nodes" / "summary.json").read_text())["world_size"] == 2
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -62,9 +63,33 @@ def setup_distributed(device: str = "auto") -> DistInfo:
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
 
 
+# set when this process left a gloo group: see teardown_distributed
+_gloo_threads_outlive_teardown = False
+
+
 def teardown_distributed() -> None:
+    """Leave the process group.
+
+    A gloo backend's worker threads outlive ``destroy_process_group`` (the DDP / FSDP objects keep the backend), and
+    one that drops a finished collective (FSDP's all-gathers hold Python tensors) after the interpreter has begun to
+    finalize takes the GIL there and aborts the process ("terminate called without an active exception", SIGABRT):
+    under CPU load a rank that got done first failed the whole torchrun job now and then. Such a process ends
+    through :func:`exit_without_finalizing` instead."""
+    global _gloo_threads_outlive_teardown
     if dist.is_initialized():
+        _gloo_threads_outlive_teardown |= "gloo" in str(dist.get_backend())
         dist.destroy_process_group()
+
+
+def exit_without_finalizing(code: int) -> None:
+    """End a process that ran a gloo group with ``code`` once logs and streams are flushed, skipping the
+    interpreter's finalization that gloo's threads may crash (see :func:`teardown_distributed`); else return."""
+    if not _gloo_threads_outlive_teardown:
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
