@@ -266,9 +266,10 @@ def test_init_from_with_another_vocabulary_is_a_user_error(tiny_inputs, tmp_path
                         vocab=tmp_path / "vocab128"))
 
 
-def test_init_from_with_another_shape_is_a_user_error(tiny_inputs, tmp_path):
-    """The draft started from keeps its shape: a shape option set to another value is refused, and one left at its
-    default takes the draft's (a 2-layer draft continues as 2 layers)."""
+def test_init_from_with_another_shape_or_an_init_option_is_a_user_error(tiny_inputs, tmp_path):
+    """The draft started from keeps its shape and weights: a shape option set to another value is refused, as is
+    an option that initializes a fresh draft; a shape option left at its default takes the draft's (a 2-layer draft
+    continues as 2 layers)."""
     train(**_common(tiny_inputs, tmp_path / "a", max_steps=1, batch_size=2))
     with pytest.raises(UserError, match=r"has num_layers 1, this run sets eagle3.num_layers 2: a draft started"):
         train(**_common(tiny_inputs, tmp_path / "b", max_steps=1, batch_size=2, init_from=tmp_path / "a",
@@ -276,6 +277,9 @@ def test_init_from_with_another_shape_is_a_user_error(tiny_inputs, tmp_path):
     with pytest.raises(UserError, match=r"has fc_norm False, this run sets eagle3.fc_norm True"):
         train(**_common(tiny_inputs, tmp_path / "c", max_steps=1, batch_size=2, init_from=tmp_path / "a",
                         eagle3={"fc_norm": True}))
+    with pytest.raises(UserError, match=r"gives the draft's weights, so eagle3.init verifier would have no effect"):
+        train(**_common(tiny_inputs, tmp_path / "e", max_steps=1, batch_size=2, init_from=tmp_path / "a",
+                        eagle3={"init": "verifier"}))
     train(**_common(tiny_inputs, tmp_path / "two", max_steps=1, batch_size=2, eagle3={"num_layers": 2}))
     train(**_common(tiny_inputs, tmp_path / "d", max_steps=1, batch_size=2, init_from=tmp_path / "two"))
     config = json.loads((tmp_path / "d" / "final" / "draft_config.json").read_text())

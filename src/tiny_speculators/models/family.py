@@ -203,6 +203,9 @@ class DraftFamily:
     # options that fix the architecture (also keyword arguments of ``model``): a draft started from with
     # --init-from keeps its own shape, so a run that sets one of them to another value than the draft's is refused
     shape_options: tuple[str, ...] = ()
+    # options that only act when a draft is built fresh (how its weights start): --init-from with one of them set
+    # away from its default is refused, as the run would silently not do it
+    fresh_options: tuple[str, ...] = ()
 
     def format(self, name: str | None = None) -> DraftFormat:
         if name is None:

@@ -235,14 +235,19 @@ def _initial_draft(opts: TrainOptions, family: DraftFamily, head, aux: list[int]
     if hasattr(draft, "d2t") and not torch.equal(draft.d2t.cpu(), d2t.long()):
         raise UserError(f"--init-from {opts.init_from} has a different draft vocabulary than "
                         f"{opts.vocab or 'the verifier'}")
-    _check_shape(draft, family, opts.family, opts.init_from)
+    _check_options(draft, family, opts.family, opts.init_from)
     return draft
 
 
-def _check_shape(draft: nn.Module, family: DraftFamily, options: Any, source: Path) -> None:
+def _check_options(draft: nn.Module, family: DraftFamily, options: Any, source: Path) -> None:
     """A shape option the run sets (away from its default) must be what the --init-from draft has: that draft keeps
-    its own architecture, and silently training another shape than the one asked for is worse than an error."""
+    its own architecture, and silently training another shape than the one asked for is worse than an error. An
+    option that only initializes a fresh draft has nothing to act on."""
     defaults, params = family.options(), inspect.signature(family.model).parameters
+    for name in family.fresh_options:
+        if getattr(options, name) != getattr(defaults, name):
+            raise UserError(f"--init-from {source} gives the draft's weights, so {family.name}.{name} "
+                            f"{getattr(options, name)} would have no effect (leave one of the two out)")
     for name in family.shape_options:
         wanted = getattr(options, name)
         has = draft.kwargs.get(name, params[name].default)

@@ -140,7 +140,8 @@ def train(
         device: auto (cuda if available), cpu, or cuda.
         init_from: start from this draft: one of our checkpoints (or a train output folder), or a published
             draft in vLLM speculators or SGLang format; its vocabulary must equal --vocab, and it keeps its own
-            shape (a shape option of the family set to another value than the draft's is an error).
+            shape and weights (a shape option of the family set to another value than the draft's, or an option
+            that initializes a fresh draft, is an error).
         init_lm_head: initialize lm_head from the verifier's lm_head rows of the draft vocabulary.
         aux_layer_ids: verifier layers the draft reads (default: the family's own);
             offline, any subset of the stored layers (default: all of them), so one extraction serves several

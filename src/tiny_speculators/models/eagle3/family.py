@@ -112,4 +112,5 @@ FAMILY = DraftFamily(
     formats=(speculators.FORMAT, sglang.FORMAT),
     speculative_tokens=lambda options: options.ttt_steps,
     shape_options=("num_layers", "fc_norm", "norm_before_residual"),
+    fresh_options=("init", "init_layer"),
 )
