@@ -1,0 +1,35 @@
+"""Imports run one way: the import-linter contracts in pyproject.toml (``[tool.importlinter]``) hold.
+
+cli -> pipeline -> stages -> models -> verifier/data -> storage, and no draft family imports another family's
+folder (DSpark builds on DFlash, by design). ``lint-imports`` prints the same report with the offending lines.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_import_contracts_hold(tmp_path, capsys):
+    from importlinter.cli import lint_imports
+
+    code = lint_imports(config_filename=str(REPO / "pyproject.toml"), cache_dir=str(tmp_path), no_logo=True)
+    report = capsys.readouterr().out
+    assert code == 0, report
+    for name in ("cli -> pipeline -> stages -> models", "no draft family imports another's folder"):
+        assert any(line.startswith(name) and line.rstrip().split()[-1] in ("KEPT", "imports)")
+                   and "BROKEN" not in line for line in report.splitlines()), report
+
+
+def test_a_broken_contract_is_reported(tmp_path, capsys):
+    """The check can fail: a contract that forbids what the code does (models use torch's tensors, storage is
+    below models) is reported as broken."""
+    from importlinter.cli import lint_imports
+
+    config = tmp_path / "contracts.toml"
+    config.write_text('[tool.importlinter]\nroot_package = "tiny_speculators"\n\n'
+                      '[[tool.importlinter.contracts]]\nname = "upside down"\ntype = "layers"\n'
+                      'layers = ["tiny_speculators.errors", "tiny_speculators.models"]\n')
+    code = lint_imports(config_filename=str(config), cache_dir=str(tmp_path / "cache"), no_logo=True)
+    assert code != 0 and "tiny_speculators.errors" in capsys.readouterr().out
