@@ -103,7 +103,7 @@ def test_family_contract(name, verifiers, tmp_path):
     # proposer: commit verified features, propose k tokens, count draft forwards
     proposer = family.proposer(loaded.eval())
     assert isinstance(proposer, Proposer)
-    from tiny_speculators.evaluate.sampling import SamplingParams
+    from tiny_speculators.sampling import SamplingParams
 
     proposer.reset()
     ids = batch["input_ids"][0, :10].tolist()

@@ -35,8 +35,8 @@ from tiny_speculators.evaluate.report import (
     save_plot,
     write_json,
 )
-from tiny_speculators.evaluate.sampling import SamplingParams
 from tiny_speculators.evaluate.target import TargetRunner
+from tiny_speculators.sampling import SamplingParams
 
 __all__ = ["evaluate"]
 

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.sampling import SamplingParams
 
 __all__ = ["BuildInputs", "ConfidenceProposer", "DraftFamily", "DraftFormat", "DraftTree", "ExportInfo", "Objective",
            "Proposer", "StepOutput", "TreeParams", "mask_token_of", "parse_options"]
@@ -109,7 +110,7 @@ class Proposer(Protocol):
         at each position + 1). Drops any speculative draft state from ``start`` on."""
         ...
 
-    def propose_chain(self, k: int, params: Any,
+    def propose_chain(self, k: int, params: SamplingParams,
                       generator: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
         """``k`` draft tokens (target ids) after the pending one; with sampling also their distributions."""
         ...
