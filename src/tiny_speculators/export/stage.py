@@ -35,12 +35,10 @@ from tiny_speculators.export.common import EXPORT_DTYPES, read_json, write_json
 from tiny_speculators.export.model_card import render_model_card
 from tiny_speculators.models import FORMAT_NAMES, get_family
 from tiny_speculators.models.compat import check_against_verifier, check_verifier
-from tiny_speculators.models.family import ExportInfo, options_from_record
+from tiny_speculators.models.family import ExportInfo
 from tiny_speculators.models.importing import OURS, import_draft, resolve_checkpoint
 
 log = logging.getLogger(__name__)
-
-DEFAULT_SPECULATIVE_TOKENS = 3  # when neither the user nor the draft's training says otherwise
 
 
 def _verifier_name(given: str | None, recorded: str | None) -> str:
@@ -116,10 +114,7 @@ def export(
     vcfg = check_verifier(draft.kwargs, verifier_name)
     if vcfg is not None:
         architectures = list(getattr(vcfg, "architectures", None) or architectures)
-    trained = config.get("trained_with")
-    tokens = int(speculative_tokens or config.get("speculative_tokens")
-                 or (family.speculative_tokens(options_from_record(family.options, trained)) if trained else 0)
-                 or DEFAULT_SPECULATIVE_TOKENS)
+    tokens = family.resolve_speculative_tokens(config, given=speculative_tokens)
     if tokens < 1:
         raise UserError(f"speculative_tokens must be at least 1, got {tokens}")
     torch_dtype = EXPORT_DTYPES[dtype]
