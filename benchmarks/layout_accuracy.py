@@ -37,8 +37,8 @@ def evaluate_on(draft_dir: Path, verifier: str, hs: Path, val_idx: list[int], st
     """Per-step accuracy / expected acceptance of ``draft_dir`` on samples ``val_idx`` of extraction ``hs``."""
     import torch
 
-    from tiny_speculators.models.checkpoint import load_draft
     from tiny_speculators.models.eagle3.objective import STAT_KEYS, TTTModule, summarize
+    from tiny_speculators.models.importing import load_draft
     from tiny_speculators.train.sources import OfflineSource
     from tiny_speculators.verifier.head import load_verifier_head
 

@@ -48,8 +48,8 @@ def self_answers(n: int, max_new_tokens: int, out: Path) -> Path:
 def evaluate_at(draft_dir: Path, hs: Path, val_idx: list[int], steps: int) -> dict:
     import torch
 
-    from tiny_speculators.models.checkpoint import load_draft
     from tiny_speculators.models.eagle3.objective import STAT_KEYS, TTTModule, summarize
+    from tiny_speculators.models.importing import load_draft
     from tiny_speculators.train.sources import OfflineSource
     from tiny_speculators.verifier.head import load_verifier_head
 

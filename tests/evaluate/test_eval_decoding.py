@@ -13,9 +13,9 @@ from tiny_speculators.evaluate.decoding import (
     autoregressive_generate,
     speculative_generate,
 )
-from tiny_speculators.evaluate.sampling import SamplingParams
 from tiny_speculators.evaluate.target import TargetRunner
 from tiny_speculators.models.eagle3.proposer import Eagle3Proposer
+from tiny_speculators.sampling import SamplingParams
 from tiny_speculators.verifier.capture import default_aux_layer_ids
 
 TREE = TreeParams(depth=3, topk=3, total_tokens=8)
@@ -87,7 +87,7 @@ def test_eos_stops_generation(tiny_llama_dir):
 
 def _exact_marginals(model, prompt, params, steps=3):
     """Exact verifier distributions of the 2nd and 3rd generated tokens (enumerating the vocab)."""
-    from tiny_speculators.evaluate.sampling import probs_from_logits
+    from tiny_speculators.sampling import probs_from_logits
 
     v = model.config.vocab_size
     p1 = probs_from_logits(model(torch.tensor([prompt])).logits[0, -1], params)  # (V,)
@@ -147,7 +147,7 @@ def test_sampling_matches_verifier_distribution(use_tree, small_vocab_verifier):
 def test_rejection_rule_emits_the_verifier_distribution():
     """The acceptance rule alone, many draws: the first emitted token ~ p[0] whatever q is (chi-square),
     and the acceptance rate equals sum(min(p, q)) (the theoretical value)."""
-    from tiny_speculators.evaluate.sampling import accept_chain, sample
+    from tiny_speculators.sampling import accept_chain, sample
 
     g = torch.Generator().manual_seed(0)
     v = 8

@@ -13,10 +13,10 @@ import torch
 from test_eval_decoding import _chi2_pvalue, _exact_marginals, _hf_greedy, _load, _prompts
 
 from tiny_speculators.evaluate.decoding import speculative_generate
-from tiny_speculators.evaluate.sampling import SamplingParams
 from tiny_speculators.evaluate.target import TargetRunner
 from tiny_speculators.models.dspark.model import DSparkDraft
 from tiny_speculators.models.dspark.proposer import DSparkProposer
+from tiny_speculators.sampling import SamplingParams
 
 AUX = [1, 2, 3]
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.export import export, import_draft
-from tiny_speculators.models.checkpoint import load_draft
+from tiny_speculators.models.importing import load_draft
 
 
 def assert_same_draft(a, b) -> None:

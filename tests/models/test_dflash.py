@@ -240,8 +240,8 @@ def test_dpace_weights_by_hand():
 
 
 def test_proposer_is_one_forward_per_step_and_matches_the_reference():
-    from tiny_speculators.evaluate.sampling import SamplingParams
     from tiny_speculators.models.dflash.proposer import DFlashProposer
+    from tiny_speculators.sampling import SamplingParams
 
     draft = tiny_dflash(num_layers=2, block_size=5).eval()
     ids, aux, _, _ = _batch(b=1, t=14)

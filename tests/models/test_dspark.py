@@ -13,12 +13,12 @@ from draft_fixtures import DRAFT_VOCAB, VOCAB, fixed_init, tiny_kwargs
 from test_dflash import MASK, WIDTH, _batch, reference_hidden, tiny_dflash
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.evaluate.sampling import SamplingParams
 from tiny_speculators.models.dspark.family import DSparkOptions, from_dflash
 from tiny_speculators.models.dspark.model import DSparkDraft
 from tiny_speculators.models.dspark.objective import DSparkObjective
 from tiny_speculators.models.dspark.proposer import DSparkProposer, cut_length
 from tiny_speculators.models.losses import LossSpec
+from tiny_speculators.sampling import SamplingParams
 
 RANK = 6
 

@@ -15,9 +15,9 @@ import torch
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.models import FAMILIES, family_of, get_family
-from tiny_speculators.models.checkpoint import load_draft, save_draft
+from tiny_speculators.models.checkpoint import save_draft
 from tiny_speculators.models.family import BuildInputs, ExportInfo, Objective, Proposer, parse_options
-from tiny_speculators.models.importing import import_draft
+from tiny_speculators.models.importing import import_draft, load_draft
 
 AUX = [2, 4, 5]
 
@@ -103,7 +103,7 @@ def test_family_contract(name, verifiers, tmp_path):
     # proposer: commit verified features, propose k tokens, count draft forwards
     proposer = family.proposer(loaded.eval())
     assert isinstance(proposer, Proposer)
-    from tiny_speculators.evaluate.sampling import SamplingParams
+    from tiny_speculators.sampling import SamplingParams
 
     proposer.reset()
     ids = batch["input_ids"][0, :10].tolist()

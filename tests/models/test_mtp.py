@@ -121,8 +121,8 @@ def test_training_rollout_equals_chained_inference():
 
 
 def test_proposer_chains_the_one_layer():
-    from tiny_speculators.evaluate.sampling import SamplingParams
     from tiny_speculators.models.mtp.proposer import MTPProposer
+    from tiny_speculators.sampling import SamplingParams
 
     draft = fixed_mtp().eval()
     g = torch.Generator().manual_seed(2)

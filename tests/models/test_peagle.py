@@ -166,8 +166,8 @@ def test_objective_samples_in_training_and_keeps_all_in_eval():
 
 
 def test_proposer_is_one_forward_and_matches_a_full_recompute():
-    from tiny_speculators.evaluate.sampling import SamplingParams
     from tiny_speculators.models.peagle.proposer import PEagleProposer
+    from tiny_speculators.sampling import SamplingParams
 
     draft = tiny_peagle(num_layers=2).eval()
     ids, aux, _, _ = _batch(b=1, t=12)

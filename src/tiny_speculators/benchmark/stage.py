@@ -48,8 +48,9 @@ log = logging.getLogger(__name__)
 
 def read_draft(draft: Path) -> dict[str, Any]:
     """method, k and the verifier of an exported draft, and the ``--speculative-config`` its family's format gives
-    vLLM (``spec(k)``). k: what the draft's config records, else export's ``summary.json``, else 1. A format
-    that is a whole verifier with the draft inside (a stitched checkpoint) is itself what vLLM serves."""
+    vLLM (``spec(k)``). k and the verifier: what the format reads from the draft's config (a format that is a whole
+    verifier with the draft inside, a stitched checkpoint, names the folder itself), k else export's
+    ``summary.json``, else 1."""
     from tiny_speculators.models.importing import detect_format
 
     folder = Path(draft)
@@ -57,24 +58,20 @@ def read_draft(draft: Path) -> dict[str, Any]:
         raise UserError(f"--draft {draft}: no config.json there (export the draft first: tiny-speculators "
                         "export)")
     try:
-        _, fmt = detect_format(folder)
+        family, fmt = detect_format(folder)
     except UserError:
-        fmt = None
+        family, fmt = None, None
     if fmt is None or fmt.vllm_speculative_config is None:
         raise UserError(f"--draft {draft}: config.json is not in a format vLLM serves (tiny-speculators export "
                         "writes one)")
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    spec = config.get("speculators_config") or {}
-    k = None
-    try:
-        k = int(spec["proposal_methods"][0]["speculative_tokens"])
-    except (KeyError, IndexError, TypeError, ValueError):
-        summary = folder / "summary.json"
-        if summary.is_file():
-            k = json.loads(summary.read_text(encoding="utf-8")).get("speculative_tokens")
+    record = fmt.recorded(folder, json.loads((folder / "config.json").read_text(encoding="utf-8")))
+    summary = folder / "summary.json"
+    if "speculative_tokens" not in record and summary.is_file():
+        record["speculative_tokens"] = json.loads(summary.read_text(encoding="utf-8")).get("speculative_tokens")
     resolved = str(folder.resolve())
-    verifier = resolved if fmt.whole_verifier else (spec.get("verifier") or {}).get("name_or_path")
-    return {"method": fmt.vllm_speculative_config(resolved, 1)["method"], "k": int(k or 1), "verifier": verifier,
+    return {"method": fmt.vllm_speculative_config(resolved, 1)["method"],
+            "k": family.resolve_speculative_tokens(record, default=1),
+            "verifier": record["verifier"].get("name_or_path"),
             "spec": lambda n: fmt.vllm_speculative_config(resolved, n)}
 
 

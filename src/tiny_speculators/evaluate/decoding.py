@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiny_speculators.evaluate.sampling import SamplingParams, accept_chain, probs_from_logits, sample
 from tiny_speculators.evaluate.target import TargetRunner
 from tiny_speculators.models.family import ConfidenceProposer, Proposer, TreeParams
+from tiny_speculators.sampling import SamplingParams, accept_chain, probs_from_logits, sample
 
 __all__ = ["DecodeResult", "TreeParams", "autoregressive_generate", "speculative_generate"]
 

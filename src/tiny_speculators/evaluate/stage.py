@@ -35,8 +35,8 @@ from tiny_speculators.evaluate.report import (
     save_plot,
     write_json,
 )
-from tiny_speculators.evaluate.sampling import SamplingParams
 from tiny_speculators.evaluate.target import TargetRunner
+from tiny_speculators.sampling import SamplingParams
 
 __all__ = ["evaluate"]
 
@@ -106,7 +106,7 @@ def evaluate(
         trust_remote_code: allow custom modelling code of the verifier.
     """
     from tiny_speculators.models import get_family
-    from tiny_speculators.models.family import ConfidenceProposer, options_from_record
+    from tiny_speculators.models.family import ConfidenceProposer
     from tiny_speculators.models.importing import import_draft
     from tiny_speculators.verifier.describe import text_config
     from tiny_speculators.verifier.load import load_verifier, parse_dtype, verifier_id
@@ -126,10 +126,7 @@ def evaluate(
     draft_model, config = import_draft(draft, verifier=verifier, device=device, dtype=torch_dtype)
     draft_model.eval().requires_grad_(False)
     family = get_family(config["model_type"])
-    if k is None:
-        trained = config.get("trained_with")
-        k = int(config.get("speculative_tokens")
-                or (family.speculative_tokens(options_from_record(family.options, trained)) if trained else 0) or 3)
+    k = family.resolve_speculative_tokens(config, given=k)
     n_layers = text_config(model.config).num_hidden_layers
     vocab = model.get_input_embeddings().weight.shape[0]
     if draft_model.kwargs["vocab_size"] != vocab:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from tiny_speculators.evaluate.sampling import SamplingParams, probs_from_logits, sample
 from tiny_speculators.evaluate.target import TargetRunner
 from tiny_speculators.models.family import Proposer, TreeParams
+from tiny_speculators.sampling import SamplingParams, probs_from_logits, sample
 
 __all__ = ["tree_mask", "tree_step"]
 

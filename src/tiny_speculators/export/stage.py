@@ -34,13 +34,11 @@ from tiny_speculators.errors import UserError
 from tiny_speculators.export.common import EXPORT_DTYPES, read_json, write_json
 from tiny_speculators.export.model_card import render_model_card
 from tiny_speculators.models import FORMAT_NAMES, get_family
-from tiny_speculators.models.compat import check_against_verifier
-from tiny_speculators.models.family import ExportInfo, options_from_record
+from tiny_speculators.models.compat import check_against_verifier, check_verifier
+from tiny_speculators.models.family import ExportInfo
 from tiny_speculators.models.importing import OURS, import_draft, resolve_checkpoint
 
 log = logging.getLogger(__name__)
-
-DEFAULT_SPECULATIVE_TOKENS = 3  # when neither the user nor the draft's training says otherwise
 
 
 def _verifier_name(given: str | None, recorded: str | None) -> str:
@@ -113,17 +111,10 @@ def export(
     check_against_verifier(draft.kwargs, recorded, recorded.get("name_or_path") or "recorded in the checkpoint")
     name = _verifier_name(verifier_name, recorded.get("name_or_path"))
     architectures = list(recorded.get("architectures") or [])
-    if verifier_name:
-        from tiny_speculators.verifier.describe import verifier_config
-
-        vcfg = verifier_config(verifier_name)
-        if vcfg is not None:
-            check_against_verifier(draft.kwargs, vcfg, verifier_name)
-            architectures = list(getattr(vcfg, "architectures", None) or architectures)
-    trained = config.get("trained_with")
-    tokens = int(speculative_tokens or config.get("speculative_tokens")
-                 or (family.speculative_tokens(options_from_record(family.options, trained)) if trained else 0)
-                 or DEFAULT_SPECULATIVE_TOKENS)
+    vcfg = check_verifier(draft.kwargs, verifier_name)
+    if vcfg is not None:
+        architectures = list(getattr(vcfg, "architectures", None) or architectures)
+    tokens = family.resolve_speculative_tokens(config, given=speculative_tokens)
     if tokens < 1:
         raise UserError(f"speculative_tokens must be at least 1, got {tokens}")
     torch_dtype = EXPORT_DTYPES[dtype]

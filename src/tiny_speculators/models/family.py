@@ -15,6 +15,8 @@ A family is a frozen :class:`DraftFamily` of plain functions and types, listed i
   the counts that normalize the loss exactly across micro-batches and ranks, their summary).
 * **proposer**: what ``evaluate`` drives during speculative decoding (:class:`Proposer`).
 * **formats**: the on-disk formats it writes and reads (:class:`DraftFormat`; the first one is the default).
+* **speculative_tokens**: the k its training options imply; :meth:`DraftFamily.resolve_speculative_tokens` is how
+  export, evaluate and benchmark choose k (the user's, else the draft's record, else its training's, else a default).
 
     from tiny_speculators.models import get_family
     family = get_family("eagle3")
@@ -33,9 +35,12 @@ import torch
 from torch import nn
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.sampling import SamplingParams
 
-__all__ = ["BuildInputs", "ConfidenceProposer", "DraftFamily", "DraftFormat", "DraftTree", "ExportInfo", "Objective",
-           "Proposer", "StepOutput", "TreeParams", "mask_token_of", "parse_options"]
+__all__ = ["DEFAULT_SPECULATIVE_TOKENS", "BuildInputs", "ConfidenceProposer", "DraftFamily", "DraftFormat", "DraftTree",
+           "ExportInfo", "Objective", "Proposer", "StepOutput", "TreeParams", "mask_token_of", "parse_options"]
+
+DEFAULT_SPECULATIVE_TOKENS = 3  # k when neither the user, the draft's record nor its training says otherwise
 
 
 @dataclass(frozen=True)
@@ -109,7 +114,7 @@ class Proposer(Protocol):
         at each position + 1). Drops any speculative draft state from ``start`` on."""
         ...
 
-    def propose_chain(self, k: int, params: Any,
+    def propose_chain(self, k: int, params: SamplingParams,
                       generator: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
         """``k`` draft tokens (target ids) after the pending one; with sampling also their distributions."""
         ...
@@ -165,6 +170,8 @@ class DraftFormat:
 
     ``write(draft, info) -> (config, tensors)``; ``detect(config_json) -> bool``; ``read(directory, config_json,
     tensors) -> (kwargs, state, record)`` where ``record`` has ``verifier`` and optionally ``speculative_tokens``;
+    ``recorded(directory, config_json) -> record``: what the config alone records, without the weights (``verifier``
+    with its ``name_or_path``, and ``speculative_tokens`` when the config gives it);
     ``serve(verifier_name, folder, k) -> str`` is the command that serves it; ``card`` the model card's
     family-specific text (title, one paragraph, draft rows, library name).
     """
@@ -178,7 +185,7 @@ class DraftFormat:
     card: Callable[[Mapping[str, Any]], dict[str, Any]]
     vllm_speculative_config: Callable[[str, int], dict[str, Any]] | None = None  # None: vLLM cannot serve it
     companions: Callable[[str], list[Path]] | None = None  # (verifier_name) -> files export copies beside the weights
-    whole_verifier: bool = False  # the folder is the verifier's own checkpoint with the draft inside (vLLM serves it)
+    recorded: Callable[[Path, Mapping[str, Any]], dict[str, Any]] = lambda directory, config: {"verifier": {}}
 
 
 @dataclass(frozen=True)
@@ -206,6 +213,16 @@ class DraftFamily:
     # options that only act when a draft is built fresh (how its weights start): --init-from with one of them set
     # away from its default is refused, as the run would silently not do it
     fresh_options: tuple[str, ...] = ()
+
+    def resolve_speculative_tokens(self, config: Mapping[str, Any], given: int | None = None,
+                                   default: int = DEFAULT_SPECULATIVE_TOKENS) -> int:
+        """k, the draft tokens per step: ``given``, else what the draft records (``config["speculative_tokens"]``,
+        its format's or our checkpoint's), else what it was trained for (this family's ``speculative_tokens`` of the
+        options in ``config["trained_with"]``), else ``default``."""
+        trained = config.get("trained_with")
+        return int(given or config.get("speculative_tokens")
+                   or (self.speculative_tokens(options_from_record(self.options, trained)) if trained else 0)
+                   or default)
 
     def format(self, name: str | None = None) -> DraftFormat:
         if name is None:

@@ -1,5 +1,7 @@
-"""Load a draft of any family from any format we know: ours (``draft_config.json``, a train output folder)
-or a family's published formats (``config.json`` + weights: vLLM speculators, SGLang, ...).
+"""Read a draft of any family from any format we know: ours (``draft_config.json``, a train output folder)
+or a family's published formats (``config.json`` + weights: vLLM speculators, SGLang, ...). The one home of
+reading: resolve the folder, tell its format, read its config and weights, rebuild the module; checking it
+against a verifier is ``compat.py``, writing our own checkpoints ``checkpoint.py``.
 
 Formats that leave the verifier's (frozen, shared) embeddings out get them from the verifier: ``verifier=``
 or the ``name_or_path`` the format records. ``train --init-from``, ``export`` and ``evaluate`` use this.
@@ -11,22 +13,25 @@ or the ``name_or_path`` the format records. ``train --init-from``, ``export`` an
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.checkpoint import CONFIG as DRAFT_CONFIG
-from tiny_speculators.models.checkpoint import load_draft, materialize
+from tiny_speculators.models.checkpoint import WEIGHTS
+from tiny_speculators.models.compat import check_verifier, check_vocab_maps
 from tiny_speculators.models.files import read_json
 
 log = logging.getLogger(__name__)
 
 OURS = "tiny-speculators"
 
-__all__ = ["OURS", "check_vocab_maps", "copy_verifier_weights", "detect_format", "import_draft", "read_weights",
+__all__ = ["OURS", "detect_format", "import_draft", "load_draft", "materialize", "read_draft_config", "read_weights",
            "resolve_checkpoint"]
 
 
@@ -53,7 +58,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def detect_format(directory: str | Path) -> tuple[Any, Any]:
     """``(family, format)`` of a draft folder; ``format`` is None for our own checkpoints."""
     from tiny_speculators.models import FAMILIES, get_family
-    from tiny_speculators.models.checkpoint import read_draft_config
 
     directory = Path(directory)
     if (directory / DRAFT_CONFIG).is_file():
@@ -70,10 +74,65 @@ def detect_format(directory: str | Path) -> tuple[Any, Any]:
     raise UserError(f"{config_path} is not a draft config of a format we read ({known})")
 
 
+def read_draft_config(directory: str | Path) -> dict[str, Any]:
+    """``draft_config.json``, checked: a known ``model_type`` and ``kwargs``. Checkpoints written before the
+    aux layer ids moved into ``kwargs`` are read as if they had."""
+    from tiny_speculators.models import FAMILIES
+
+    path = Path(directory) / DRAFT_CONFIG
+    if not path.is_file():
+        raise UserError(f"{path} does not exist: not a draft checkpoint folder")
+    config = read_json(path)
+    if config.get("model_type") not in FAMILIES or not isinstance(config.get("kwargs"), dict):
+        raise UserError(f"{path} is not a draft config: needs 'kwargs' and a model_type among "
+                        f"{', '.join(FAMILIES)} (got {config.get('model_type')!r})")
+    if config["kwargs"].get("aux_layer_ids") is None and config.get("aux_layer_ids") is not None:
+        config["kwargs"]["aux_layer_ids"] = list(config["aux_layer_ids"])
+    config["aux_layer_ids"] = config["kwargs"].get("aux_layer_ids")
+    return config
+
+
+def materialize(model_cls: type[nn.Module], kwargs: Mapping[str, Any], state: Mapping[str, torch.Tensor],
+                where: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """``model_cls(**kwargs)`` filled with ``state`` without random initialization (built on the meta device);
+    a state that does not match the config names the missing / unexpected tensors and bad shapes."""
+    with torch.device("meta"):
+        draft = model_cls(**kwargs)
+    expected = draft.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise UserError(f"the weights in {where} do not match its config: missing {missing}, unexpected {unexpected}")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise UserError(f"{where}: tensor {name} has shape {tuple(tensor.shape)}, its config implies "
+                            f"{tuple(expected[name].shape)}")
+    state = {k: v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device) for k, v in state.items()}
+    draft.load_state_dict(state, strict=True, assign=True)
+    draft.after_load(device)  # rebuild non-persistent buffers (made on the meta device), re-freeze shared weights
+    if any(t.is_meta for t in list(draft.parameters()) + list(draft.buffers())):
+        raise RuntimeError(f"draft from {where} still has tensors on the meta device")
+    return draft.to(device)
+
+
+def load_draft(directory: str | Path, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> tuple[nn.Module, dict[str, Any]]:
+    """Rebuild the draft saved by ``checkpoint.save_draft``; floating weights in ``dtype``, maps kept int64/bool."""
+    from tiny_speculators.models import get_family
+
+    directory = Path(directory)
+    config = read_draft_config(directory)
+    weights = directory / WEIGHTS
+    if not weights.is_file():
+        raise UserError(f"{weights} does not exist: the draft checkpoint is incomplete")
+    family = get_family(config["model_type"])
+    state = load_file(str(weights), device="cpu")
+    draft = materialize(family.model, config["kwargs"], state, str(weights), device, dtype)
+    return draft, config
+
+
 def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a HF-style folder: ``model.safetensors``, sharded safetensors, or ``pytorch_model.bin``."""
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     if (directory / "model.safetensors").is_file():
         return load_file(str(directory / "model.safetensors"))
@@ -90,37 +149,6 @@ def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
         return state
     raise UserError(f"{directory} has no weights (model.safetensors, model.safetensors.index.json or "
                     "pytorch_model.bin)")
-
-
-def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> torch.Tensor:
-    """Validate ``d2t``/``t2d`` against each other; returns the draft->target id table (sorted target ids)."""
-    if d2t.shape != (draft_vocab_size,) or t2d.shape != (vocab_size,):
-        raise UserError(f"vocab maps have shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)}; the draft needs "
-                        f"({draft_vocab_size},) and ({vocab_size},)")
-    target_ids = torch.arange(draft_vocab_size) + d2t.long().cpu()
-    if not torch.equal(target_ids, torch.nonzero(t2d.cpu().bool()).flatten()):
-        raise UserError("d2t and t2d disagree: draft id i must map to the i-th selected target id")
-    return target_ids
-
-
-def copy_verifier_weights(draft: nn.Module, d2t: torch.Tensor, t2d: torch.Tensor,
-                          embed_weight: torch.Tensor | None = None, lm_head_weight: torch.Tensor | None = None) -> None:
-    """Into a fresh draft: the vocabulary maps (checked), the verifier's embeddings when given, and the rows of the
-    verifier's lm_head (its full ``[V, H]`` matrix, when given) that the draft vocabulary selects."""
-    target_ids = check_vocab_maps(d2t, t2d, draft.draft_vocab_size, draft.embed_tokens.num_embeddings)
-    if embed_weight is not None and embed_weight.shape != draft.embed_tokens.weight.shape:
-        raise UserError(f"verifier embeddings have shape {tuple(embed_weight.shape)}, the draft needs "
-                        f"{tuple(draft.embed_tokens.weight.shape)}")
-    if lm_head_weight is not None and lm_head_weight.shape != (draft.embed_tokens.num_embeddings, draft.hidden_size):
-        raise UserError(f"verifier lm_head has shape {tuple(lm_head_weight.shape)}, expected "
-                        f"({draft.embed_tokens.num_embeddings}, {draft.hidden_size})")
-    with torch.no_grad():
-        draft.d2t.copy_(d2t.long())
-        draft.t2d.copy_(t2d.bool())
-        if embed_weight is not None:
-            draft.embed_tokens.weight.copy_(embed_weight)
-        if lm_head_weight is not None:
-            draft.lm_head.weight.copy_(lm_head_weight[target_ids.to(lm_head_weight.device)])
 
 
 def _embeddings(verifier: str | None, directory: Path) -> torch.Tensor:
@@ -168,18 +196,6 @@ def _complete_state(kwargs: dict[str, Any], state: dict[str, torch.Tensor], dire
     return state
 
 
-def _check_verifier(draft: nn.Module, verifier: str | None) -> Any:
-    from tiny_speculators.models.compat import check_against_verifier
-    from tiny_speculators.verifier.describe import verifier_config
-
-    if not verifier:
-        return None
-    config = verifier_config(verifier)
-    if config is not None:
-        check_against_verifier(draft.kwargs, config, verifier)
-    return config
-
-
 def import_draft(
     path: str | Path,
     *,
@@ -206,7 +222,7 @@ def import_draft(
     family, fmt = detect_format(directory)
     if fmt is None:
         draft, config = load_draft(directory, device=device, dtype=dtype)
-        _check_verifier(draft, verifier)
+        check_verifier(draft.kwargs, verifier)
         return draft, {**config, "source": {"format": OURS, "path": str(directory)}}
 
     raw_config = read_json(directory / "config.json")
@@ -225,7 +241,7 @@ def import_draft(
         log.warning("%s records no aux layer ids and the verifier is unknown: aux_layer_ids left empty", directory)
     state = _complete_state(kwargs, state, directory, verifier)
     draft = materialize(family.model, kwargs, state, str(directory), device, dtype)
-    _check_verifier(draft, verifier)
+    check_verifier(draft.kwargs, verifier)
     config = {"model_type": family.name, "kwargs": draft.kwargs, "aux_layer_ids": draft.kwargs.get("aux_layer_ids"),
               "verifier": recorded, "source": {"format": fmt.name, "path": str(directory)},
               **({"speculative_tokens": record["speculative_tokens"]} if "speculative_tokens" in record else {})}

@@ -12,13 +12,13 @@ from typing import Any, Literal
 from torch import nn
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.models.compat import copy_verifier_weights
 from tiny_speculators.models.dflash import speculators
 from tiny_speculators.models.dflash.model import DFlashDraft
 from tiny_speculators.models.dflash.objective import DFlashObjective, default_gamma
 from tiny_speculators.models.dflash.proposer import DFlashProposer
 from tiny_speculators.models.eagle3.builder import draft_kwargs_from_verifier
 from tiny_speculators.models.family import BuildInputs, DraftFamily, mask_token_of
-from tiny_speculators.models.importing import copy_verifier_weights
 from tiny_speculators.models.losses import LossSpec
 
 

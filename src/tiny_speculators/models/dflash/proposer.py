@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.evaluate.sampling import SamplingParams
 from tiny_speculators.models.dflash.model import DFlashDraft
-from tiny_speculators.models.proposing import pick_tokens
+from tiny_speculators.sampling import SamplingParams, pick_tokens
 
 __all__ = ["DFlashProposer"]
 

@@ -34,6 +34,7 @@ from tiny_speculators.models.eagle3.speculators import (
     layer_config,
     normalize_state,
     proposal_config,
+    recorded,
     speculative_tokens_of,
     verifier_of,
 )
@@ -148,4 +149,4 @@ def card(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 FORMAT = DraftFormat(name="speculators", write=write, detect=detect, read=read, serve=serve, card=card,
-                     vllm_speculative_config=vllm_speculative_config)
+                     vllm_speculative_config=vllm_speculative_config, recorded=recorded)

@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.evaluate.sampling import SamplingParams, probs_from_logits, sample
 from tiny_speculators.models.dflash.proposer import DFlashProposer
 from tiny_speculators.models.dspark.model import DSparkDraft
+from tiny_speculators.sampling import SamplingParams, probs_from_logits, sample
 
 __all__ = ["DSparkProposer", "cut_length"]
 

@@ -98,4 +98,5 @@ def card(kwargs: Mapping[str, Any]) -> dict[str, Any]:
                      f"a confidence head), proposing up to {tokens} tokens per forward,", "rows": rows}
 
 
-FORMAT = DraftFormat(name="speculators", write=write, detect=detect, read=read, serve=serve, card=card)
+FORMAT = DraftFormat(name="speculators", write=write, detect=detect, read=read, serve=serve, card=card,
+                     recorded=dflash_format.recorded)

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.models.compat import copy_verifier_weights
 from tiny_speculators.models.eagle3.model import Eagle3Draft
-from tiny_speculators.models.importing import copy_verifier_weights
 from tiny_speculators.verifier.describe import text_config
 
 log = logging.getLogger(__name__)

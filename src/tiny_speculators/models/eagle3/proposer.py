@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from tiny_speculators.evaluate.sampling import SamplingParams, probs_from_logits, sample
 from tiny_speculators.models.eagle3.model import Eagle3Draft, KVCache, to_target_logits
 from tiny_speculators.models.family import DraftTree, TreeParams
+from tiny_speculators.sampling import SamplingParams, probs_from_logits, sample
 
 __all__ = ["Eagle3Proposer"]
 

@@ -16,6 +16,7 @@ embed_tokens"), exactly what a frozen copy would compute, and the file is ``voca
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -225,6 +226,16 @@ def speculative_tokens_of(cfg: Mapping[str, Any]) -> int:
     return int(cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
 
 
+def recorded(directory: Path, cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What a speculators ``config.json`` records for serving, read leniently without the weights: the verifier's
+    ``name_or_path`` and, when ``proposal_methods[0]`` gives it, ``speculative_tokens``."""
+    spec = cfg.get("speculators_config") or {}
+    record: dict[str, Any] = {"verifier": {"name_or_path": (spec.get("verifier") or {}).get("name_or_path")}}
+    with contextlib.suppress(KeyError, IndexError, TypeError, ValueError):
+        record["speculative_tokens"] = int(spec["proposal_methods"][0]["speculative_tokens"])
+    return record
+
+
 # Tensors that speculators' training checkpoints carry but a draft does not run with.
 IGNORED_TENSORS = ("verifier_lm_head.weight", "verifier_norm.weight")
 
@@ -297,4 +308,4 @@ def layer_rows(kwargs: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 
 FORMAT = DraftFormat(name="speculators", write=write, detect=is_speculators_config, read=read, serve=serve,
-                     card=card, vllm_speculative_config=vllm_speculative_config)
+                     card=card, vllm_speculative_config=vllm_speculative_config, recorded=recorded)

@@ -158,6 +158,11 @@ def read(directory: Path, raw: Mapping[str, Any], tensors: dict[str, torch.Tenso
                                         "architectures": list(raw.get("architectures") or [])}}
 
 
+def recorded(directory: Path, raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The folder is the verifier itself (vLLM serves it); its config records no number of speculative tokens."""
+    return {"verifier": {"name_or_path": str(Path(directory).resolve())}}
+
+
 def vllm_speculative_config(folder: str, k: int) -> dict[str, Any]:
     return {"method": "mtp", "num_speculative_tokens": int(k)}
 
@@ -179,5 +184,4 @@ def card(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 FORMAT = DraftFormat(name="verifier-mtp", write=write, detect=detect, read=read, serve=serve, card=card,
-                     vllm_speculative_config=vllm_speculative_config, companions=companions,
-                     whole_verifier=True)
+                     vllm_speculative_config=vllm_speculative_config, companions=companions, recorded=recorded)

@@ -12,10 +12,10 @@ from typing import Literal
 from torch import nn
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.models.compat import copy_verifier_weights
 from tiny_speculators.models.eagle3.builder import draft_kwargs_from_verifier
 from tiny_speculators.models.eagle3.family import default_aux_layer_ids, resolve_layer_type
 from tiny_speculators.models.family import BuildInputs, DraftFamily, mask_token_of
-from tiny_speculators.models.importing import copy_verifier_weights
 from tiny_speculators.models.losses import LossSpec
 from tiny_speculators.models.peagle import speculators
 from tiny_speculators.models.peagle.model import PEagleDraft

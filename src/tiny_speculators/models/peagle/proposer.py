@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from tiny_speculators.evaluate.sampling import SamplingParams
 from tiny_speculators.models.eagle3.model import KVCache, to_target_logits
 from tiny_speculators.models.peagle.model import PEagleDraft
-from tiny_speculators.models.proposing import pick_tokens
+from tiny_speculators.sampling import SamplingParams, pick_tokens
 
 __all__ = ["PEagleProposer"]
 

@@ -32,6 +32,7 @@ from tiny_speculators.models.eagle3.speculators import (
     layer_rows,
     normalize_state,
     proposal_config,
+    recorded,
     speculative_tokens_of,
     transformer_layer_config,
     verifier_of,
@@ -140,4 +141,4 @@ def card(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 FORMAT = DraftFormat(name="speculators", write=write, detect=detect, read=read, serve=serve, card=card,
-                     vllm_speculative_config=vllm_speculative_config)
+                     vllm_speculative_config=vllm_speculative_config, recorded=recorded)

@@ -1,4 +1,6 @@
-"""Token selection for speculative decoding: greedy, temperature/top-k/top-p, and the acceptance rules.
+"""Token selection for speculative decoding: greedy, temperature/top-k/top-p, what a draft picks from its logits,
+and the acceptance rules. A ground-floor module: ``models/`` (the proposers) and ``evaluate/`` (the decoding loop)
+both import it, and it imports neither.
 
 Chain drafts use the standard speculative-sampling rule (Leviathan et al. 2023, Chen et al. 2023): a draft
 token ``d`` sampled from the draft distribution ``q`` is accepted with probability ``min(1, p(d) / q(d))``;
@@ -7,19 +9,21 @@ a bonus token is sampled from ``p``. The emitted tokens are then distributed exa
 own samples. ``p`` and ``q`` are both over the verifier's vocabulary (the draft's reduced vocabulary is
 scattered into it, unmapped ids get probability 0) after the same temperature / top-k / top-p processing.
 
-    from tiny_speculators.evaluate.sampling import SamplingParams, probs_from_logits
+    from tiny_speculators.sampling import SamplingParams, probs_from_logits
     probs = probs_from_logits(torch.randn(3, 100), SamplingParams(temperature=0.7, top_p=0.9))
+    tokens, q = pick_tokens(logits, proposer.target_ids, proposer.to_target_logits, params, generator)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from tiny_speculators.errors import UserError
 
-__all__ = ["SamplingParams", "accept_chain", "probs_from_logits", "sample"]
+__all__ = ["SamplingParams", "accept_chain", "pick_tokens", "probs_from_logits", "sample"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,23 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token id drawn from a 1-D probability vector."""
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def pick_tokens(logits: torch.Tensor, target_ids: torch.Tensor,
+                to_target_logits: Callable[[torch.Tensor], torch.Tensor], params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+    """What a proposer that drafts several tokens from one forward does with that forward's logits: one token (a
+    target id) per row of draft-vocab ``logits [k, Vd]``: the argmax when greedy, else a sample of the row's
+    distribution over the target vocabulary; with sampling also those distributions ``q [k, V]``."""
+    draft, qs = [], []
+    for i in range(logits.shape[0]):
+        if params.greedy:
+            draft.append(int(target_ids[int(torch.argmax(logits[i]))]))
+        else:
+            q = probs_from_logits(to_target_logits(logits[i]), params).cpu()
+            draft.append(sample(q, generator))
+            qs.append(q)
+    return draft, (torch.stack(qs) if qs else None)
 
 
 def accept_chain(p: torch.Tensor, q: torch.Tensor, draft: list[int],
