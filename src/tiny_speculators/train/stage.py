@@ -33,6 +33,7 @@ import torch
 from tiny_speculators.errors import UserError
 from tiny_speculators.models import DEFAULT_ALGORITHM, FAMILIES, Algorithm, get_family
 from tiny_speculators.models.family import parse_options
+from tiny_speculators.tables import print_summary_table
 from tiny_speculators.train import checkpoint as C
 from tiny_speculators.train import distributed as D
 from tiny_speculators.train.data import split_train_val
@@ -340,12 +341,6 @@ def _train_with(info: D.DistInfo, opts: TrainOptions, resume_from: Path | None, 
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="train")
-    table.add_column("metric")
-    table.add_column("value")
     ft, fv = summary["final_train"] or {}, summary["final_val"] or {}
     rows = [("mode", summary["mode"]), ("steps", summary["steps"]), ("tokens seen", summary["tokens_seen"]),
             ("train loss", f"{ft.get('loss', float('nan')):.4f}"),
@@ -353,6 +348,4 @@ def _print_summary(summary: dict[str, Any]) -> None:
             ("val acc per step", json.dumps([round(a, 3) for a in fv.get("acc", [])]) if fv else "-"),
             ("val accept length", f"{fv['accept_len']:.3f}" if fv else "-"),
             ("seconds", summary["train_seconds"]), ("out", summary["out"])]
-    for k, v in rows:
-        table.add_row(k, str(v))
-    Console(stderr=True).print(table)
+    print_summary_table("train", [(k, str(v)) for k, v in rows], header=("metric", "value"))
