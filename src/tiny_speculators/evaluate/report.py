@@ -13,10 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tiny_speculators.atomic import atomic_write, write_json_atomic
+from tiny_speculators.atomic import atomic_write
 from tiny_speculators.tables import print_summary_table
 
-__all__ = ["acceptance_metrics", "calibration", "print_table", "save_calibration_plot", "save_plot", "write_json"]
+__all__ = ["acceptance_metrics", "calibration", "print_table", "save_calibration_plot", "save_plot"]
 
 
 def acceptance_metrics(accepted: list[int], proposed: list[int], positions: int) -> dict[str, Any]:
@@ -93,10 +93,6 @@ def save_calibration_plot(path: Path, cal: dict[str, Any], title: str) -> None:
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
-
-
-def write_json(path: Path, data: Any) -> None:
-    write_json_atomic(path, data)
 
 
 def _fmt(x: Any, digits: int = 3) -> str:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import torch
 
+from tiny_speculators.atomic import write_json_atomic
 from tiny_speculators.errors import UserError
 from tiny_speculators.evaluate.decoding import (
     DecodeResult,
@@ -34,7 +35,6 @@ from tiny_speculators.evaluate.report import (
     print_table,
     save_calibration_plot,
     save_plot,
-    write_json,
 )
 from tiny_speculators.evaluate.sampling import SamplingParams
 from tiny_speculators.evaluate.target import TargetRunner
@@ -313,8 +313,8 @@ def _write_outputs(out: Path, summary: dict[str, Any], per_prompt: list[dict[str
     from tiny_speculators.verifier.load import verifier_id
 
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "results.json", {**summary, "per_prompt": per_prompt})
-    write_json(out / "summary.json", summary)
+    write_json_atomic(out / "results.json", {**summary, "per_prompt": per_prompt})
+    write_json_atomic(out / "summary.json", summary)
     save_plot(out / "acceptance.png", summary["per_position_acceptance"],
               [(e["id"], e["acceptance_length"]) for e in per_prompt],
               f"{Path(str(draft)).name} on {verifier_id(verifier)}: τ = {summary['acceptance_length'] or 1:.2f}")

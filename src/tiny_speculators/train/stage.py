@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
+from tiny_speculators.atomic import write_json_atomic
 from tiny_speculators.errors import UserError
 from tiny_speculators.models import DEFAULT_ALGORITHM, FAMILIES, Algorithm, get_family
 from tiny_speculators.models.family import parse_options
@@ -335,7 +336,7 @@ def _train_with(info: D.DistInfo, opts: TrainOptions, resume_from: Path | None, 
     }
     if info.is_main:
         plot_metrics(out)
-        C.write_json_atomic(out / "summary.json", summary)
+        write_json_atomic(out / "summary.json", summary, sort_keys=True)
         _print_summary(summary)
     return summary
 
