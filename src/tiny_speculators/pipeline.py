@@ -68,6 +68,8 @@ WIRED: dict[str, tuple[str, ...]] = {
     "evaluate": ("verifier", "draft", "out"),
     "benchmark": ("verifier", "draft", "out"),
 }
+# options that name a built-in set or a file (one with a suffix: resolved and hashed like the Path options)
+NAME_OR_FILE: dict[str, tuple[str, ...]] = {"evaluate": ("prompts",), "benchmark": ("prompts",)}
 BUILTIN_PREFIX = "builtin:"
 
 
@@ -180,36 +182,8 @@ def plan_pipeline(raw: dict[str, Any], source: str = "pipeline config") -> Pipel
     config = source
     base = Path.cwd()
     raw = {str(k).replace("-", "_"): v for k, v in raw.items()}
-    unknown = sorted(set(raw) - set(TOP_LEVEL) - set(STAGE_ORDER))
-    if unknown:
-        raise UserError(f"{config}: unknown top-level key(s) {', '.join(unknown)} "
-                        f"(known: {', '.join(TOP_LEVEL + STAGE_ORDER)})")
-    if not raw.get("verifier"):
-        raise UserError(f"{config}: needs a top-level 'verifier'")
-    verifier = str(raw["verifier"])
-    if Path(verifier).expanduser().exists():  # a local folder: absolute, so stages and the manifest agree
-        verifier = str(Path(verifier).expanduser().resolve())
-    if raw.get("run_dir") is None:
-        raise UserError(f"{config}: needs a top-level 'run_dir'")
-    run_dir = Path(raw["run_dir"]).expanduser()
-    run_dir = run_dir if run_dir.is_absolute() else base / run_dir
-    for required in ("prepare", "vocab", "train", "export", "evaluate"):
-        if required not in raw:
-            raise UserError(f"{config}: needs a '{required}' section (it may be empty: {required}: {{}})")
-
-    sections: dict[str, dict[str, Any]] = {}
-    for name in STAGE_ORDER:
-        if name not in raw:
-            continue
-        section = raw[name] or {}
-        if not isinstance(section, dict):
-            raise UserError(f"{config}: the '{name}' section must be a mapping of that stage's options")
-        section = {str(k).replace("-", "_"): v for k, v in section.items()}
-        clash = sorted(set(section) & set(WIRED[name]))
-        if clash:
-            raise UserError(f"{config}: '{name}' may not set {', '.join(clash)}: the pipeline sets "
-                            f"{'it' if len(clash) == 1 else 'them'}")
-        sections[name] = section
+    verifier, run_dir = _top_level(raw, config, base)
+    sections = _sections(raw, config)
     online = bool(sections["train"].get("online", False))
     if online and "extract" in sections:
         raise UserError(f"{config}: train.online is true, so there must be no 'extract' section")
@@ -257,22 +231,66 @@ def plan_pipeline(raw: dict[str, Any], source: str = "pipeline config") -> Pipel
     add("evaluate", {"verifier": verifier, "draft": run_dir / "export"}, ["export"], [])
     if "benchmark" in sections:
         add("benchmark", {"verifier": verifier, "draft": run_dir / "export"}, ["export"], [])
-    for name, plan in stages.items():  # options that are files outside the run (chat_template, init_from ...)
-        for key, value in plan.options.items():
-            if isinstance(plan.kwargs.get(key), Path) and key not in ("out",):
-                path = plan.kwargs[key]
-                if not path.is_absolute():
-                    plan.kwargs[key] = path = base / path
-                if path.exists():
-                    plan.external.append(path)
-            if (key == "prompts" and name in ("evaluate", "benchmark") and str(value) != "builtin"
-                    and Path(str(value)).suffix):
-                path = Path(str(value)) if Path(str(value)).is_absolute() else base / str(value)
-                plan.kwargs[key] = str(path)
-                if path.exists():
-                    plan.external.append(path)
+    for plan in stages.values():
+        _add_external_options(plan, base)
     return PipelinePlan(run_dir=run_dir, verifier=verifier,
                         stages={n: stages[n] for n in STAGE_ORDER if n in stages})
+
+
+def _top_level(raw: dict[str, Any], config: str, base: Path) -> tuple[str, Path]:
+    """The verifier (a local folder made absolute) and the run directory; the sections every pipeline needs."""
+    unknown = sorted(set(raw) - set(TOP_LEVEL) - set(STAGE_ORDER))
+    if unknown:
+        raise UserError(f"{config}: unknown top-level key(s) {', '.join(unknown)} "
+                        f"(known: {', '.join(TOP_LEVEL + STAGE_ORDER)})")
+    if not raw.get("verifier"):
+        raise UserError(f"{config}: needs a top-level 'verifier'")
+    verifier = str(raw["verifier"])
+    if Path(verifier).expanduser().exists():  # a local folder: absolute, so stages and the manifest agree
+        verifier = str(Path(verifier).expanduser().resolve())
+    if raw.get("run_dir") is None:
+        raise UserError(f"{config}: needs a top-level 'run_dir'")
+    run_dir = Path(raw["run_dir"]).expanduser()
+    run_dir = run_dir if run_dir.is_absolute() else base / run_dir
+    for required in ("prepare", "vocab", "train", "export", "evaluate"):
+        if required not in raw:
+            raise UserError(f"{config}: needs a '{required}' section (it may be empty: {required}: {{}})")
+    return verifier, run_dir
+
+
+def _sections(raw: dict[str, Any], config: str) -> dict[str, dict[str, Any]]:
+    """Each stage's section (option names with _), in stage order; a section may not set what is wired."""
+    sections: dict[str, dict[str, Any]] = {}
+    for name in STAGE_ORDER:
+        if name not in raw:
+            continue
+        section = raw[name] or {}
+        if not isinstance(section, dict):
+            raise UserError(f"{config}: the '{name}' section must be a mapping of that stage's options")
+        section = {str(k).replace("-", "_"): v for k, v in section.items()}
+        clash = sorted(set(section) & set(WIRED[name]))
+        if clash:
+            raise UserError(f"{config}: '{name}' may not set {', '.join(clash)}: the pipeline sets "
+                            f"{'it' if len(clash) == 1 else 'them'}")
+        sections[name] = section
+    return sections
+
+
+def _add_external_options(plan: StagePlan, base: Path) -> None:
+    """Options that are files outside the run (chat_template, init_from, a prompts file ...): relative to ``base``,
+    and inputs of the stage's hash when they exist."""
+    for key, value in plan.options.items():
+        if isinstance(plan.kwargs.get(key), Path) and key not in ("out",):
+            path = plan.kwargs[key]
+            if not path.is_absolute():
+                plan.kwargs[key] = path = base / path
+            if path.exists():
+                plan.external.append(path)
+        if key in NAME_OR_FILE.get(plan.name, ()) and str(value) != "builtin" and Path(str(value)).suffix:
+            path = Path(str(value)) if Path(str(value)).is_absolute() else base / str(value)
+            plan.kwargs[key] = str(path)
+            if path.exists():
+                plan.external.append(path)
 
 
 def _stage_hash(plan: StagePlan, verifier_fp: str, upstream_hashes: dict[str, str]) -> str:
@@ -358,13 +376,7 @@ def pipeline(
             raise UserError(f"{flag} must be one of {', '.join(STAGE_ORDER)}, not {value!r}")
     plan = plan_pipeline(raw, source)
     names = list(plan.stages)
-    for value, flag in ((from_stage, "from_stage"), (until_stage, "until_stage")):
-        if value is not None and value not in names:
-            raise UserError(f"{flag} '{value}' is not part of this pipeline (its stages: {', '.join(names)})")
-    start = names.index(from_stage) if from_stage else 0
-    stop = names.index(until_stage) if until_stage else len(names) - 1
-    if start > stop:
-        raise UserError(f"from_stage '{from_stage}' comes after until_stage '{until_stage}'")
+    start, stop = _span(names, from_stage, until_stage)
 
     manifest_path = plan.run_dir / MANIFEST
     manifest = _load_manifest(manifest_path)
@@ -393,36 +405,7 @@ def pipeline(
             log.info("pipeline: %s unchanged, skipped", name)
             actions[name] = "skipped"
             continue
-        func = _stage_function(name)
-        kwargs = dict(stage.kwargs)
-        resuming = same and record.get("status") == "running" and stage.out.exists() and not forced
-        if resuming:
-            if "resume" in stage_params(func):
-                kwargs["resume"] = True
-            log.info("pipeline: %s was interrupted: resuming", name)
-            actions[name] = "resumed"
-        else:
-            if stage.out.exists():
-                log.info("pipeline: %s %s: starting it again from scratch", name,
-                         "forced" if forced else "changed" if record else "left over")
-                shutil.rmtree(stage.out)
-            actions[name] = "ran"
-        records[name] = {"hash": digest, "status": "running", "options": stage.options,
-                         "external_inputs": [str(p) for p in stage.external], "upstream": stage.upstream,
-                         "out": str(stage.out), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        for later in names[i + 1:]:  # downstream results are stale once this stage reruns
-            if later in records:
-                records[later]["status"] = "stale"
-        _save_manifest(manifest_path, manifest)
-        log.info("pipeline: running %s", name)
-        s0 = time.perf_counter()
-        positional = [kwargs.pop(n) for n, (p, _) in stage_params(func).items()
-                      if p.kind is inspect.Parameter.POSITIONAL_ONLY and n in kwargs]
-        summary = func(*positional, **kwargs)
-        records[name].update(status="done", seconds=round(time.perf_counter() - s0, 2),
-                             finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                             summary=summary if isinstance(summary, dict) else None)
-        _save_manifest(manifest_path, manifest)
+        actions[name] = _run_stage(stage, digest, same, forced, names[i + 1:], manifest, manifest_path)
 
     result = {"run_dir": str(plan.run_dir), "manifest": str(manifest_path), "actions": actions,
               "stage_seconds": {n: records[n].get("seconds") for n in actions if n in records},
@@ -433,6 +416,58 @@ def pipeline(
     _save_manifest(plan.run_dir / "summary.json", result)  # same atomic JSON write
     _print_table(result, records)
     return result
+
+
+def _span(names: list[str], from_stage: str | None, until_stage: str | None) -> tuple[int, int]:
+    """The positions in ``names`` of the first stage to (re)run and of the last one."""
+    for value, flag in ((from_stage, "from_stage"), (until_stage, "until_stage")):
+        if value is not None and value not in names:
+            raise UserError(f"{flag} '{value}' is not part of this pipeline (its stages: {', '.join(names)})")
+    start = names.index(from_stage) if from_stage else 0
+    stop = names.index(until_stage) if until_stage else len(names) - 1
+    if start > stop:
+        raise UserError(f"from_stage '{from_stage}' comes after until_stage '{until_stage}'")
+    return start, stop
+
+
+def _run_stage(stage: StagePlan, digest: str, same: bool, forced: bool, later: list[str], manifest: dict[str, Any],
+               manifest_path: Path) -> str:
+    """Run one stage (resuming an interrupted run of the same configuration), recording it in the manifest
+    before and after; later stages' records become stale. Returns what was done: resumed or ran."""
+    name = stage.name
+    records: dict[str, dict[str, Any]] = manifest["stages"]
+    record = records.get(name, {})
+    func = _stage_function(name)
+    kwargs = dict(stage.kwargs)
+    resuming = same and record.get("status") == "running" and stage.out.exists() and not forced
+    if resuming:
+        if "resume" in stage_params(func):
+            kwargs["resume"] = True
+        log.info("pipeline: %s was interrupted: resuming", name)
+        action = "resumed"
+    else:
+        if stage.out.exists():
+            log.info("pipeline: %s %s: starting it again from scratch", name,
+                     "forced" if forced else "changed" if record else "left over")
+            shutil.rmtree(stage.out)
+        action = "ran"
+    records[name] = {"hash": digest, "status": "running", "options": stage.options,
+                     "external_inputs": [str(p) for p in stage.external], "upstream": stage.upstream,
+                     "out": str(stage.out), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    for downstream in later:  # downstream results are stale once this stage reruns
+        if downstream in records:
+            records[downstream]["status"] = "stale"
+    _save_manifest(manifest_path, manifest)
+    log.info("pipeline: running %s", name)
+    s0 = time.perf_counter()
+    positional = [kwargs.pop(n) for n, (p, _) in stage_params(func).items()
+                  if p.kind is inspect.Parameter.POSITIONAL_ONLY and n in kwargs]
+    summary = func(*positional, **kwargs)
+    records[name].update(status="done", seconds=round(time.perf_counter() - s0, 2),
+                         finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                         summary=summary if isinstance(summary, dict) else None)
+    _save_manifest(manifest_path, manifest)
+    return action
 
 
 def _final_numbers(plan: PipelinePlan, ev: dict[str, Any], exported: dict[str, Any]) -> dict[str, Any]:

@@ -56,3 +56,12 @@ def test_vocab_is_required_only_by_families_with_their_own_vocabulary(tmp_path):
     assert own and len(own) < len(FAMILIES)
     with pytest.raises(UserError, match=rf"--vocab is required for {own[0]}"):
         train(verifier="v", out=tmp_path / "o", hidden_states=tmp_path / "h", algorithm=own[0])
+
+
+def test_options_take_types_and_defaults_from_the_signature():
+    """TrainOptions' fields are read from ``train``'s signature: the same annotations and defaults, no drift."""
+    fields = {f.name: f for f in dataclasses.fields(TrainOptions)}
+    for name, (p, annotation) in stage_params(train).items():
+        assert fields[name].type == annotation, name
+        if p.default is not p.empty:
+            assert fields[name].default == p.default, name

@@ -24,6 +24,7 @@ import logging
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -201,20 +202,8 @@ def benchmark(
     """
     t0 = time.perf_counter()
     levels = tuple(sorted(set(concurrency)))
-    if not levels or levels[0] < 1:
-        raise UserError(f"--concurrency needs values of at least 1, not {list(concurrency)}")
-    for value, flag in ((requests, "--requests"), (output_tokens, "--output-tokens"), (max_model_len,
-                                                                                       "--max-model-len")):
-        if value < 1:
-            raise UserError(f"{flag} must be at least 1, not {value}")
-    if k is not None and k < 1:
-        raise UserError(f"--k must be at least 1, not {k}")
-    if draft is None and endpoint is None:
-        raise UserError("pass --draft (an exported draft to serve) or --endpoint (a running server)")
-    if baseline_endpoint is not None and endpoint is None:
-        raise UserError("--baseline-endpoint needs --endpoint (the server with the draft)")
-    if endpoint is None and port is not None:
-        check_port_free(port)
+    _check_arguments(levels, concurrency, requests, output_tokens, max_model_len, k, draft, endpoint,
+                     baseline_endpoint, port)
     info = read_draft(draft) if draft is not None else {"method": None, "k": None, "verifier": None}
     prompt_list = load_prompts(prompts)
     if endpoint is not None:  # before anything else: a server that does not answer is the likeliest mistake
@@ -230,71 +219,126 @@ def benchmark(
     data = write_dataset(prompt_list, out / "requests.jsonl", requests=requests, output_tokens=output_tokens)
     common = dict(guidellm=guidellm_exe, data=data, concurrency=levels, requests=requests, out=out,
                   timeout=request_timeout)
-    runs: dict[str, list[tuple[LoadResult, ServerCounters]]] = {}
-    endpoints: dict[str, str | None] = {"draft": endpoint, "baseline": baseline_endpoint}
-
     if endpoint is not None:
-        if base_model is not None and base_model != model:
-            log.warning("--endpoint serves %s, --baseline-endpoint %s: GuideLLM asks each for its own model",
-                        model, base_model)
-        try:  # GuideLLM's tokenizer: a local copy of the verifier when there is one
-            tokenizer = serving_verifier(verifier, info["verifier"] or model)
-        except UserError:
-            tokenizer = verifier or info["verifier"] or model
-        served_k = k or info["k"]
-        runs["draft"] = _measure(endpoint, "draft", what="--endpoint", model=model, tokenizer=tokenizer,
-                                 **common)
-        if baseline_endpoint is not None and base_model is not None:
-            runs["baseline"] = _measure(baseline_endpoint, "baseline", what="--baseline-endpoint",
-                                        model=base_model, tokenizer=tokenizer, **common)
-        verifier_path = tokenizer
+        m = _measure_running(endpoint, baseline_endpoint, model, base_model, verifier, info, k, common)
     else:
         assert draft is not None and python is not None
-        verifier_path = serving_verifier(verifier, info["verifier"])
-        tokenizer = verifier_path
-        model = verifier or info["verifier"] or verifier_path
-        served_k = k or info["k"]
-        spec_config = info["spec"](served_k)  # the family's own speculative config
-        server_options = dict(served_model_name=model, dtype=dtype, max_model_len=max_model_len,
-                              enforce_eager=enforce_eager, kv_cache_gb=kv_cache_gb, startup_timeout=startup_timeout)
-        sides = [("draft", spec_config)] + ([("baseline", None)] if baseline else [])
-        with sigterm_as_exit():
-            for side, spec in sides:
-                log_path = out / "logs" / f"{side}-server.log"
-                log_path.unlink(missing_ok=True)
-                name = "vllm serve with the draft" if spec else "vllm serve without a draft"
-                with VllmServer(python, verifier_path, log_path=log_path, port=port, speculative_config=spec,
-                                name=name, **server_options) as server:
-                    endpoints[side] = server.url
-                    runs[side] = _measure(server.url, side, what=name, model=model, tokenizer=tokenizer, **common)
+        server_options = dict(dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
+                              kv_cache_gb=kv_cache_gb, startup_timeout=startup_timeout)
+        m = _measure_started(python, verifier, info, k, baseline, port, out, server_options, common)
 
+    results: dict[str, Any] = {
+        "draft": str(draft) if draft is not None else None,
+        "draft_name": "/".join(Path(str(draft)).resolve().parts[-2:]) if draft is not None else m.model,
+        "method": info["method"], "k": m.served_k, "verifier": m.verifier_path, "served_model": m.model,
+        "mode": "endpoint" if endpoint is not None else "started", "endpoints": m.endpoints,
+        "prompts": prompts, "num_prompts": len(prompt_list), "requests": requests, "output_tokens": output_tokens,
+        "concurrency": list(levels), "dtype": dtype if endpoint is None else None,
+        "enforce_eager": enforce_eager if endpoint is None else None, "guidellm": str(guidellm_exe),
+        "guidellm_version": GUIDELLM_VERSION,
+        "acceptance": overall_acceptance([counters for _, counters in m.runs["draft"]]),
+        "levels": _level_entries(levels, m.runs),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    write_json_atomic(out / "results.json", results)
+    summary = _summary(results)
+    write_json_atomic(out / "summary.json", summary)
+    save_plot(out / "benchmark.png", results)
+    print_table(results)
+    return summary
+
+
+def _check_arguments(levels: tuple[int, ...], concurrency: tuple[int, ...], requests: int, output_tokens: int,
+                     max_model_len: int, k: int | None, draft: Path | None, endpoint: str | None,
+                     baseline_endpoint: str | None, port: int | None) -> None:
+    if not levels or levels[0] < 1:
+        raise UserError(f"--concurrency needs values of at least 1, not {list(concurrency)}")
+    for value, flag in ((requests, "--requests"), (output_tokens, "--output-tokens"), (max_model_len,
+                                                                                       "--max-model-len")):
+        if value < 1:
+            raise UserError(f"{flag} must be at least 1, not {value}")
+    if k is not None and k < 1:
+        raise UserError(f"--k must be at least 1, not {k}")
+    if draft is None and endpoint is None:
+        raise UserError("pass --draft (an exported draft to serve) or --endpoint (a running server)")
+    if baseline_endpoint is not None and endpoint is None:
+        raise UserError("--baseline-endpoint needs --endpoint (the server with the draft)")
+    if endpoint is None and port is not None:
+        check_port_free(port)
+
+
+@dataclass
+class _Measured:
+    """GuideLLM's runs per side (draft, baseline) and what was served: the URLs, the verifier, its model name, k."""
+
+    runs: dict[str, list[tuple[LoadResult, ServerCounters]]]
+    endpoints: dict[str, str | None]
+    verifier_path: str
+    model: str
+    served_k: int | None
+
+
+def _measure_running(endpoint: str, baseline_endpoint: str | None, model: str, base_model: str | None,
+                     verifier: str | None, info: dict[str, Any], k: int | None, common: dict[str, Any]) -> _Measured:
+    """--endpoint: measure the running server with the draft (and the one without, if given)."""
+    runs: dict[str, list[tuple[LoadResult, ServerCounters]]] = {}
+    if base_model is not None and base_model != model:
+        log.warning("--endpoint serves %s, --baseline-endpoint %s: GuideLLM asks each for its own model",
+                    model, base_model)
+    try:  # GuideLLM's tokenizer: a local copy of the verifier when there is one
+        tokenizer = serving_verifier(verifier, info["verifier"] or model)
+    except UserError:
+        tokenizer = verifier or info["verifier"] or model
+    served_k = k or info["k"]
+    runs["draft"] = _measure(endpoint, "draft", what="--endpoint", model=model, tokenizer=tokenizer,
+                             **common)
+    if baseline_endpoint is not None and base_model is not None:
+        runs["baseline"] = _measure(baseline_endpoint, "baseline", what="--baseline-endpoint",
+                                    model=base_model, tokenizer=tokenizer, **common)
+    return _Measured(runs, {"draft": endpoint, "baseline": baseline_endpoint}, tokenizer, model, served_k)
+
+
+def _measure_started(python: Path, verifier: str | None, info: dict[str, Any], k: int | None, baseline: bool,
+                     port: int | None, out: Path, server_options: dict[str, Any],
+                     common: dict[str, Any]) -> _Measured:
+    """Start vllm serve with the draft (and without it), one after the other, and measure each."""
+    runs: dict[str, list[tuple[LoadResult, ServerCounters]]] = {}
+    endpoints: dict[str, str | None] = {"draft": None, "baseline": None}
+    verifier_path = serving_verifier(verifier, info["verifier"])
+    tokenizer = verifier_path
+    model = verifier or info["verifier"] or verifier_path
+    served_k = k or info["k"]
+    spec_config = info["spec"](served_k)  # the family's own speculative config
+    server_options = dict(served_model_name=model, **server_options)
+    sides = [("draft", spec_config)] + ([("baseline", None)] if baseline else [])
+    with sigterm_as_exit():
+        for side, spec in sides:
+            log_path = out / "logs" / f"{side}-server.log"
+            log_path.unlink(missing_ok=True)
+            name = "vllm serve with the draft" if spec else "vllm serve without a draft"
+            with VllmServer(python, verifier_path, log_path=log_path, port=port, speculative_config=spec,
+                            name=name, **server_options) as server:
+                endpoints[side] = server.url
+                runs[side] = _measure(server.url, side, what=name, model=model, tokenizer=tokenizer, **common)
+    return _Measured(runs, endpoints, verifier_path, model, served_k)
+
+
+def _level_entries(levels: tuple[int, ...], runs: dict[str, list[tuple[LoadResult, ServerCounters]]]) -> list:
     level_entries = []
     for i, c in enumerate(levels):
         draft_side = side_entry(*runs["draft"][i])
         base_side = side_entry(*runs["baseline"][i]) if "baseline" in runs else None
         level_entries.append(level_entry(c, draft_side, base_side))
-    results: dict[str, Any] = {
-        "draft": str(draft) if draft is not None else None,
-        "draft_name": "/".join(Path(str(draft)).resolve().parts[-2:]) if draft is not None else model,
-        "method": info["method"], "k": served_k, "verifier": verifier_path, "served_model": model,
-        "mode": "endpoint" if endpoint is not None else "started", "endpoints": endpoints,
-        "prompts": prompts, "num_prompts": len(prompt_list), "requests": requests, "output_tokens": output_tokens,
-        "concurrency": list(levels), "dtype": dtype if endpoint is None else None,
-        "enforce_eager": enforce_eager if endpoint is None else None, "guidellm": str(guidellm_exe),
-        "guidellm_version": GUIDELLM_VERSION,
-        "acceptance": overall_acceptance([counters for _, counters in runs["draft"]]),
-        "levels": level_entries,
-        "seconds": round(time.perf_counter() - t0, 1),
-    }
-    write_json_atomic(out / "results.json", results)
+    return level_entries
+
+
+def _summary(results: dict[str, Any]) -> dict[str, Any]:
+    """summary.json: results.json with each concurrency level cut to its headline numbers."""
     summary = {key: value for key, value in results.items() if key != "levels"}
     summary["levels"] = [{"concurrency": e["concurrency"], "speedup": e["speedup"],
                           "output_tokens_per_s": e["draft"]["output_tokens_per_s"],
                           "baseline_output_tokens_per_s": (e["baseline"] or {}).get("output_tokens_per_s"),
                           "itl_p50_ms": e["draft"]["itl_ms"]["p50"],
                           "baseline_itl_p50_ms": ((e["baseline"] or {}).get("itl_ms") or {}).get("p50"),
-                          "acceptance_length": e["draft"]["acceptance_length"]} for e in level_entries]
-    write_json_atomic(out / "summary.json", summary)
-    save_plot(out / "benchmark.png", results)
-    print_table(results)
+                          "acceptance_length": e["draft"]["acceptance_length"]} for e in results["levels"]]
     return summary

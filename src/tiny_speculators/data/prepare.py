@@ -42,6 +42,7 @@ from tiny_speculators.data.chat import ChatRenderer, RecordError
 from tiny_speculators.data.readers import count_records, read_records
 from tiny_speculators.data.resume import ChunkStore, input_fingerprint
 from tiny_speculators.errors import UserError
+from tiny_speculators.tables import print_summary_table
 
 log = logging.getLogger(__name__)
 
@@ -113,22 +114,7 @@ def prepare(
 
     started = time.perf_counter()
     data = [Path(p) for p in data]
-    if not data:
-        raise UserError("prepare needs at least one --data file")
-    for path in data:
-        if not path.exists():
-            raise UserError(f"data file {path} does not exist")
-    if max_length is not None and max_length < 2:
-        raise UserError(f"max_length must be at least 2, not {max_length}")
-    if chunk_records < 1:
-        raise UserError(f"chunk_records must be at least 1, not {chunk_records}")
-    if field is not None and not field.strip():
-        raise UserError("--field must name a key, not an empty string")
-    template_text = None
-    if chat_template is not None:
-        if not Path(chat_template).is_file():
-            raise UserError(f"chat template file {chat_template} does not exist")
-        template_text = Path(chat_template).read_text(encoding="utf-8")
+    template_text = _check_arguments(data, max_length, chunk_records, field, chat_template)
 
     tokenizer = load_prepare_tokenizer(verifier, trust_remote_code=trust_remote_code)
     renderer = ChatRenderer(tokenizer, enable_thinking=enable_thinking, chat_template=template_text,
@@ -155,16 +141,7 @@ def prepare(
         store.remove()  # bad input (--strict) or options: nothing worth resuming
         raise
     loop_seconds = time.perf_counter() - loop_started
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        totals = _assemble(store, data, tmp, vocab_size)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, UserError):  # no records, none usable: nothing worth resuming
-            store.remove()
-        raise
+    tmp, totals = _assemble_into_tmp(store, data, out, vocab_size)
     summary = {
         "verifier": str(verifier),
         "verifier_id": verifier_id(verifier),
@@ -184,6 +161,42 @@ def prepare(
     store.remove()
     _print_summary(summary, out)
     return summary
+
+
+def _check_arguments(data: list[Path], max_length: int | None, chunk_records: int, field: str | None,
+                     chat_template: Path | None) -> str | None:
+    """One-line errors for unusable options; the text of ``chat_template`` (None without one)."""
+    if not data:
+        raise UserError("prepare needs at least one --data file")
+    for path in data:
+        if not path.exists():
+            raise UserError(f"data file {path} does not exist")
+    if max_length is not None and max_length < 2:
+        raise UserError(f"max_length must be at least 2, not {max_length}")
+    if chunk_records < 1:
+        raise UserError(f"chunk_records must be at least 1, not {chunk_records}")
+    if field is not None and not field.strip():
+        raise UserError("--field must name a key, not an empty string")
+    if chat_template is None:
+        return None
+    if not Path(chat_template).is_file():
+        raise UserError(f"chat template file {chat_template} does not exist")
+    return Path(chat_template).read_text(encoding="utf-8")
+
+
+def _assemble_into_tmp(store: ChunkStore, data: list[Path], out: Path, vocab_size: int) -> tuple[Path, dict[str, Any]]:
+    """The committed chunks assembled into a fresh temporary folder next to ``out`` (removed on errors; the
+    chunks too when the input holds nothing usable): the folder and its totals."""
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        return tmp, _assemble(store, data, tmp, vocab_size)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, UserError):  # no records, none usable: nothing worth resuming
+            store.remove()
+        raise
 
 
 @functools.cache
@@ -359,13 +372,8 @@ def _assemble(store: ChunkStore, data: list[Path], tmp: Path, vocab_size: int) -
 
 
 def _print_summary(summary: dict[str, Any], out: Path) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"prepare -> {out}", show_header=False)
-    for key in ("verifier_id", "records_read", "kept", "samples", "tokens", "masked_tokens", "masked_fraction",
-                "truncated", "records_per_second"):
-        table.add_row(key, str(summary[key]))
-    for reason, n in summary["dropped"].items():
-        table.add_row(f"dropped: {reason}", str(n))
-    Console(stderr=True).print(table)
+    keys = ("verifier_id", "records_read", "kept", "samples", "tokens", "masked_tokens", "masked_fraction",
+            "truncated", "records_per_second")
+    print_summary_table(f"prepare -> {out}", [*((key, str(summary[key])) for key in keys),
+                                               *((f"dropped: {reason}", str(n))
+                                                 for reason, n in summary["dropped"].items())])

@@ -345,15 +345,7 @@ def regenerate(
             ~4 min, more than the compiled graph could save on a regeneration this size; dev/LOG.md).
     """
     t0 = time.perf_counter()
-    if max_new_tokens < 1:
-        raise UserError("max_new_tokens must be at least 1")
-    if batch_size < 1:
-        raise UserError("batch_size must be at least 1")
-    if extra_answers < 0:
-        raise UserError("extra_answers must be 0 or more")
-    if extra_answers and not extra_temperature > 0:
-        raise UserError(f"extra_temperature must be above 0 (got {extra_temperature}): greedy extra answers would "
-                        "repeat the first")
+    _check_arguments(max_new_tokens, batch_size, extra_answers, extra_temperature)
     backend = backend or ("endpoint" if endpoint else "transformers")
     if (backend == "endpoint") != bool(endpoint):
         raise UserError("--endpoint goes with --backend endpoint (the default when it is set), and only with it")
@@ -363,19 +355,7 @@ def regenerate(
     records_read = len(convs) + sum(dropped.values())
     if max_records is not None:
         convs = convs[:max_records]
-    works: list[_Work] = []
-    for conv in convs:
-        w = _prepare_work(conv, Sampling(temperature, seed))
-        if isinstance(w, str):
-            if strict:
-                raise UserError(f"{conv.source}: the record has no user turn (--strict stops at the first bad record)")
-            dropped[w] += 1
-            log.warning("%s: %s: nothing to answer", conv.source, w)
-            continue
-        works.append(w)
-        for i in range(1, extra_answers + 1):  # next to the first answer: same source, same index
-            again = Conversation(source=conv.source, index=conv.index, messages=conv.messages, id=f"{conv.id}~{i}")
-            works.append(_prepare_work(again, Sampling(extra_temperature, seed + i)))
+    works = _works(convs, dropped, strict, Sampling(temperature, seed), extra_answers, extra_temperature, seed)
     if not works:
         raise UserError(f"no usable chat records in {', '.join(map(str, data))}")
 
@@ -407,17 +387,7 @@ def regenerate(
     generated_tokens, truncated, turns = (totals.get(k, 0) for k in ("tokens", "truncated", "turns"))
     gen_seconds = totals.get("seconds", 0.0)
 
-    lines, kept = [], 0
-    for w in works:
-        rec = done[w.conv.id]
-        if rec.get("failed"):
-            dropped[rec["failed"]] += 1
-            continue
-        lines.append(json.dumps({"id": rec["id"], "messages": rec["messages"]}, ensure_ascii=False))
-        kept += 1
-    if not lines:
-        raise UserError("the verifier produced no usable answer for any record")
-    write_text_atomic(out / OUTPUT_FILE, "\n".join(lines) + "\n")
+    kept = _write_output(out, works, done, dropped)
     summary = {
         "verifier": str(verifier), "verifier_id": verifier_id(verifier), "backend": backend,
         "endpoint": chat_completions_url(endpoint) if endpoint else None, "output": OUTPUT_FILE,
@@ -433,3 +403,51 @@ def regenerate(
     log.info("regenerate: %d records kept, %d dropped, %d new tokens in %.1f s", kept, sum(dropped.values()),
              generated_tokens, gen_seconds)
     return summary
+
+
+def _check_arguments(max_new_tokens: int, batch_size: int, extra_answers: int, extra_temperature: float) -> None:
+    if max_new_tokens < 1:
+        raise UserError("max_new_tokens must be at least 1")
+    if batch_size < 1:
+        raise UserError("batch_size must be at least 1")
+    if extra_answers < 0:
+        raise UserError("extra_answers must be 0 or more")
+    if extra_answers and not extra_temperature > 0:
+        raise UserError(f"extra_temperature must be above 0 (got {extra_temperature}): greedy extra answers would "
+                        "repeat the first")
+
+
+def _works(convs: list[Conversation], dropped: Counter, strict: bool, first: Sampling, extra_answers: int,
+           extra_temperature: float, seed: int) -> list[_Work]:
+    """What to answer: every record with a user turn (the others are dropped, counted in ``dropped``), each
+    followed by its extra answers."""
+    works: list[_Work] = []
+    for conv in convs:
+        w = _prepare_work(conv, first)
+        if isinstance(w, str):
+            if strict:
+                raise UserError(f"{conv.source}: the record has no user turn (--strict stops at the first bad record)")
+            dropped[w] += 1
+            log.warning("%s: %s: nothing to answer", conv.source, w)
+            continue
+        works.append(w)
+        for i in range(1, extra_answers + 1):  # next to the first answer: same source, same index
+            again = Conversation(source=conv.source, index=conv.index, messages=conv.messages, id=f"{conv.id}~{i}")
+            works.append(_prepare_work(again, Sampling(extra_temperature, seed + i)))
+    return works
+
+
+def _write_output(out: Path, works: list[_Work], done: dict[str, dict[str, Any]], dropped: Counter) -> int:
+    """chats.jsonl: every answered record in input order (failed ones counted in ``dropped``); how many."""
+    lines, kept = [], 0
+    for w in works:
+        rec = done[w.conv.id]
+        if rec.get("failed"):
+            dropped[rec["failed"]] += 1
+            continue
+        lines.append(json.dumps({"id": rec["id"], "messages": rec["messages"]}, ensure_ascii=False))
+        kept += 1
+    if not lines:
+        raise UserError("the verifier produced no usable answer for any record")
+    write_text_atomic(out / OUTPUT_FILE, "\n".join(lines) + "\n")
+    return kept

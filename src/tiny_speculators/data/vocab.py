@@ -23,6 +23,7 @@ import numpy as np
 
 from tiny_speculators.atomic import atomic_write, write_json_atomic
 from tiny_speculators.errors import UserError
+from tiny_speculators.tables import print_summary_table
 
 log = logging.getLogger(__name__)
 
@@ -132,10 +133,5 @@ def load_vocab(path: str | Path) -> tuple[Any, Any]:
 
 
 def _print_summary(summary: dict[str, Any], out: Path) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"vocab -> {out}", show_header=False)
-    for key in ("size", "target_vocab_size", "distinct_seen", "filled", "coverage"):
-        table.add_row(key, str(summary[key]))
-    Console(stderr=True).print(table)
+    print_summary_table(f"vocab -> {out}", [(key, str(summary[key])) for key in
+                                             ("size", "target_vocab_size", "distinct_seen", "filled", "coverage")])

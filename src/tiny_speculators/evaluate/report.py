@@ -13,9 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tiny_speculators.atomic import atomic_write, write_json_atomic
+from tiny_speculators.atomic import atomic_write
+from tiny_speculators.tables import print_summary_table
 
-__all__ = ["acceptance_metrics", "calibration", "print_table", "save_calibration_plot", "save_plot", "write_json"]
+__all__ = ["acceptance_metrics", "calibration", "print_table", "save_calibration_plot", "save_plot"]
 
 
 def acceptance_metrics(accepted: list[int], proposed: list[int], positions: int) -> dict[str, Any]:
@@ -94,10 +95,6 @@ def save_calibration_plot(path: Path, cal: dict[str, Any], title: str) -> None:
     plt.close(fig)
 
 
-def write_json(path: Path, data: Any) -> None:
-    write_json_atomic(path, data)
-
-
 def _fmt(x: Any, digits: int = 3) -> str:
     if x is None:
         return "-"
@@ -108,12 +105,6 @@ def _fmt(x: Any, digits: int = 3) -> str:
 
 def print_table(summary: dict[str, Any]) -> None:
     """The stage's final summary on the terminal (rich)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"speculative decoding: {summary['mode']}", show_header=True)
-    table.add_column("metric")
-    table.add_column("value", justify="right")
     rows = [
         ("prompts", summary["num_prompts"]),
         ("acceptance length τ", summary["acceptance_length"]),
@@ -134,11 +125,11 @@ def print_table(summary: dict[str, Any]) -> None:
                      f"{cal['mean_confidence']:.3f} / {cal['observed_acceptance']:.3f} / {cal['ece']:.3f}"))
     if summary.get("matches_baseline") is not None:
         rows.append(("greedy output == verifier alone", summary["matches_baseline"]))
-    for name, value in rows:
-        table.add_row(name, _fmt(value, 2) if isinstance(value, float) else _fmt(value))
-    for i, rate in enumerate(summary["per_position_acceptance"]):
-        table.add_row(f"acceptance at position {i + 1}", _fmt(rate))
-    Console().print(table)
+    cells = [(name, _fmt(value, 2) if isinstance(value, float) else _fmt(value)) for name, value in rows]
+    cells += [(f"acceptance at position {i + 1}", _fmt(rate))
+              for i, rate in enumerate(summary["per_position_acceptance"])]
+    print_summary_table(f"speculative decoding: {summary['mode']}", cells, header=("metric", "value"),
+                        justify="right", stderr=False)
 
 
 def save_plot(path: Path, per_position: list[float | None], per_prompt_tau: list[tuple[str, float | None]],

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from tiny_speculators.atomic import write_json_atomic
 from tiny_speculators.errors import UserError
 from tiny_speculators.evaluate.decoding import (
     DecodeResult,
@@ -33,7 +35,6 @@ from tiny_speculators.evaluate.report import (
     print_table,
     save_calibration_plot,
     save_plot,
-    write_json,
 )
 from tiny_speculators.evaluate.target import TargetRunner
 from tiny_speculators.sampling import SamplingParams
@@ -105,24 +106,75 @@ def evaluate(
         max_prompts: evaluate only the first N prompts.
         trust_remote_code: allow custom modelling code of the verifier.
     """
-    from tiny_speculators.models import get_family
-    from tiny_speculators.models.family import ConfidenceProposer
-    from tiny_speculators.models.importing import import_draft
-    from tiny_speculators.verifier.describe import text_config
     from tiny_speculators.verifier.load import load_verifier, parse_dtype, verifier_id
 
-    if k is not None and k < 1:
-        raise UserError(f"k must be at least 1, not {k}")
-    if max_new_tokens < 1:
-        raise UserError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
-    if tree and (tree_depth < 1 or tree_topk < 1 or tree_total_tokens < 1):
-        raise UserError("tree_depth, tree_topk and tree_total_tokens must all be at least 1")
+    _check_arguments(k, max_new_tokens, tree, tree_depth, tree_topk, tree_total_tokens)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     tree_params = TreeParams(tree_depth, tree_topk, tree_total_tokens) if tree else None
     torch_dtype = parse_dtype(dtype)
     prompt_list = load_prompts(prompts, max_prompts)
 
     model, tokenizer = load_verifier(verifier, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code)
+    d = _load_draft(draft, verifier, model, k, confidence_threshold, tree, device, torch_dtype)
+    target = TargetRunner(model, list(d.aux_layer_ids))
+    decoding = _Decoding(target, d.proposer, d.k, params, _eos_ids(model, tokenizer), tree_params, max_new_tokens)
+    encoded = [render_prompt(p, tokenizer) for p in prompt_list]
+
+    decoding.warm_up(encoded[0], seed, baseline)
+    positions = tree_depth if tree else d.k
+    t_start = time.perf_counter()
+    per_prompt, spec_results, base_results = _decode_prompts(decoding, prompt_list, encoded, tokenizer, positions,
+                                                             seed, baseline, dtype)
+    target.close()
+
+    summary: dict[str, Any] = {
+        "verifier": verifier, "verifier_id": verifier_id(verifier), "draft": str(draft),
+        "algorithm": d.family.name, "draft_format": d.config.get("source", {}).get("format"),
+        "aux_layer_ids": list(d.aux_layer_ids),
+        "prompts": prompts, "num_prompts": len(prompt_list),
+        "mode": (f"tree (depth {tree_depth}, topk {tree_topk}, {tree_total_tokens} tokens)" if tree
+                 else f"chain (k={d.k})"),
+        "k": None if tree else d.k, "confidence_threshold": d.threshold,
+        "tree": {"depth": tree_depth, "topk": tree_topk, "total_tokens": tree_total_tokens} if tree else None,
+        "temperature": temperature, "top_p": top_p, "top_k": top_k, "max_new_tokens": max_new_tokens,
+        "dtype": dtype, "device": device, "seed": seed,
+        **_measures(spec_results, positions, t_start),
+        **_against_baseline(spec_results, base_results, per_prompt, baseline, params.greedy),
+    }
+    _write_outputs(Path(out), summary, per_prompt, draft, verifier, d.threshold)
+    print_table(summary)
+    return summary
+
+
+def _check_arguments(k: int | None, max_new_tokens: int, tree: bool, tree_depth: int, tree_topk: int,
+                     tree_total_tokens: int) -> None:
+    if k is not None and k < 1:
+        raise UserError(f"k must be at least 1, not {k}")
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+    if tree and (tree_depth < 1 or tree_topk < 1 or tree_total_tokens < 1):
+        raise UserError("tree_depth, tree_topk and tree_total_tokens must all be at least 1")
+
+
+@dataclass
+class _Draft:
+    """A loaded draft, checked against its verifier: its family, config and proposer, and how it is run."""
+
+    family: Any
+    config: dict[str, Any]
+    proposer: Any
+    k: int
+    aux_layer_ids: list[int]
+    threshold: float | None
+
+
+def _load_draft(draft: Path, verifier: str, model, k: int | None, confidence_threshold: float | Literal["off"],
+                tree: bool, device: str, torch_dtype: torch.dtype) -> _Draft:
+    from tiny_speculators.models import get_family
+    from tiny_speculators.models.family import ConfidenceProposer
+    from tiny_speculators.models.importing import import_draft
+    from tiny_speculators.verifier.describe import text_config
+
     draft_model, config = import_draft(draft, verifier=verifier, device=device, dtype=torch_dtype)
     draft_model.eval().requires_grad_(False)
     family = get_family(config["model_type"])
@@ -148,25 +200,46 @@ def evaluate(
         proposer.confidence_threshold = threshold
     if tree and not proposer.supports_tree:
         raise UserError(f"a {family.name} draft proposes chains only; evaluate it without --tree")
-    target = TargetRunner(model, list(aux_layer_ids))
-    eos = _eos_ids(model, tokenizer)
-    encoded = [render_prompt(p, tokenizer) for p in prompt_list]
+    return _Draft(family, config, proposer, k, aux_layer_ids, threshold)
 
-    # warm-up (lazy allocations, kernel selection) so the first timed prompt is not penalised
-    speculative_generate(target, proposer, encoded[0], k=k, max_new_tokens=min(4, max_new_tokens), params=params,
-                         eos_ids=eos, tree=tree_params, generator=torch.Generator().manual_seed(seed))
-    if baseline:
-        autoregressive_generate(target, encoded[0], max_new_tokens=min(4, max_new_tokens), params=params, eos_ids=eos,
-                                generator=torch.Generator().manual_seed(seed))
 
-    positions = tree_depth if tree else k
+@dataclass
+class _Decoding:
+    """One way of decoding every prompt: with the draft (speculative) or the verifier alone (the baseline)."""
+
+    target: TargetRunner
+    proposer: Any
+    k: int
+    params: SamplingParams
+    eos: set[int]
+    tree: TreeParams | None
+    max_new_tokens: int
+
+    def speculative(self, ids: list[int], seed: int, max_new_tokens: int | None = None) -> DecodeResult:
+        return speculative_generate(self.target, self.proposer, ids, k=self.k,
+                                    max_new_tokens=max_new_tokens or self.max_new_tokens, params=self.params,
+                                    eos_ids=self.eos, tree=self.tree, generator=torch.Generator().manual_seed(seed))
+
+    def alone(self, ids: list[int], seed: int, max_new_tokens: int | None = None) -> DecodeResult:
+        return autoregressive_generate(self.target, ids, max_new_tokens=max_new_tokens or self.max_new_tokens,
+                                       params=self.params, eos_ids=self.eos,
+                                       generator=torch.Generator().manual_seed(seed))
+
+    def warm_up(self, ids: list[int], seed: int, baseline: bool) -> None:
+        """Lazy allocations, kernel selection: so that the first timed prompt is not penalised."""
+        self.speculative(ids, seed, min(4, self.max_new_tokens))
+        if baseline:
+            self.alone(ids, seed, min(4, self.max_new_tokens))
+
+
+def _decode_prompts(decoding: _Decoding, prompt_list, encoded: list[list[int]], tokenizer, positions: int, seed: int,
+                    baseline: bool, dtype: str) -> tuple[list[dict[str, Any]], list[DecodeResult], list[DecodeResult]]:
+    """Each prompt with the draft (and the verifier alone): per-prompt results.json entries and both decodings."""
     per_prompt: list[dict[str, Any]] = []
     spec_results: list[DecodeResult] = []
     base_results: list[DecodeResult] = []
-    t_start = time.perf_counter()
     for i, (prompt, ids) in enumerate(zip(prompt_list, encoded, strict=True)):
-        res = speculative_generate(target, proposer, ids, k=k, max_new_tokens=max_new_tokens, params=params,
-                                   eos_ids=eos, tree=tree_params, generator=torch.Generator().manual_seed(seed + i))
+        res = decoding.speculative(ids, seed + i)
         spec_results.append(res)
         entry: dict[str, Any] = {
             "id": prompt.id, "messages": prompt.messages, "prompt_tokens": len(ids),
@@ -177,12 +250,11 @@ def evaluate(
             **({"confidences": res.confidences} if res.confidences else {}),
         }
         if baseline:
-            base = autoregressive_generate(target, ids, max_new_tokens=max_new_tokens, params=params, eos_ids=eos,
-                                           generator=torch.Generator().manual_seed(seed + i))
+            base = decoding.alone(ids, seed + i)
             base_results.append(base)
             entry["baseline_seconds"] = base.seconds
             entry["baseline_tokens"] = len(base.tokens)
-            if params.greedy:
+            if decoding.params.greedy:
                 entry["matches_baseline"] = base.tokens == res.tokens
                 if not entry["matches_baseline"]:
                     log.warning("prompt %s: greedy output differs from the verifier alone (numerical ties in "
@@ -190,23 +262,16 @@ def evaluate(
         per_prompt.append(entry)
         log.info("prompt %d/%d %s: %d tokens, tau %.2f, %.1f tok/s", i + 1, len(prompt_list), prompt.id,
                  len(res.tokens), entry["acceptance_length"] or 1.0, len(res.tokens) / max(res.seconds, 1e-9))
-    target.close()
+    return per_prompt, spec_results, base_results
 
+
+def _measures(spec_results: list[DecodeResult], positions: int, t_start: float) -> dict[str, Any]:
+    """summary.json's measures of decoding with the draft, over all prompts."""
     metrics = acceptance_metrics([a for r in spec_results for a in r.accepted],
                                  [p for r in spec_results for p in r.proposed], positions)
     generated = sum(len(r.tokens) for r in spec_results)
     seconds = sum(r.seconds for r in spec_results)
-    summary: dict[str, Any] = {
-        "verifier": verifier, "verifier_id": verifier_id(verifier), "draft": str(draft),
-        "algorithm": family.name, "draft_format": config.get("source", {}).get("format"),
-        "aux_layer_ids": list(aux_layer_ids),
-        "prompts": prompts, "num_prompts": len(prompt_list),
-        "mode": (f"tree (depth {tree_depth}, topk {tree_topk}, {tree_total_tokens} tokens)" if tree
-                 else f"chain (k={k})"),
-        "k": None if tree else k, "confidence_threshold": threshold,
-        "tree": {"depth": tree_depth, "topk": tree_topk, "total_tokens": tree_total_tokens} if tree else None,
-        "temperature": temperature, "top_p": top_p, "top_k": top_k, "max_new_tokens": max_new_tokens,
-        "dtype": dtype, "device": device, "seed": seed,
+    return {
         **metrics,
         "tokens_generated": generated, "seconds": seconds,
         "tokens_per_second": generated / seconds if seconds else None,
@@ -220,20 +285,33 @@ def evaluate(
         "confidence_calibration": calibration([c for r in spec_results for c in r.confidences],
                                               [a for r in spec_results if r.confidences for a in r.accepted]),
     }
-    if baseline:
-        base_tokens = sum(len(r.tokens) for r in base_results)
-        base_seconds = sum(r.seconds for r in base_results)
-        summary["baseline_tokens_per_second"] = base_tokens / base_seconds if base_seconds else None
-        summary["speedup"] = (summary["tokens_per_second"] / summary["baseline_tokens_per_second"]
-                              if summary["baseline_tokens_per_second"] else None)
-        summary["matches_baseline"] = (all(e["matches_baseline"] for e in per_prompt) if params.greedy else None)
-    else:
-        summary["baseline_tokens_per_second"] = summary["speedup"] = summary["matches_baseline"] = None
 
-    out = Path(out)
+
+def _against_baseline(spec_results: list[DecodeResult], base_results: list[DecodeResult],
+                      per_prompt: list[dict[str, Any]], baseline: bool, greedy: bool) -> dict[str, Any]:
+    """The verifier alone's speed, the speed-up and (greedy) whether the outputs match; all None without a
+    baseline."""
+    if not baseline:
+        return {"baseline_tokens_per_second": None, "speedup": None, "matches_baseline": None}
+    generated = sum(len(r.tokens) for r in spec_results)
+    seconds = sum(r.seconds for r in spec_results)
+    tokens_per_second = generated / seconds if seconds else None
+    base_tokens = sum(len(r.tokens) for r in base_results)
+    base_seconds = sum(r.seconds for r in base_results)
+    base_per_second = base_tokens / base_seconds if base_seconds else None
+    return {"baseline_tokens_per_second": base_per_second,
+            "speedup": tokens_per_second / base_per_second if base_per_second else None,
+            "matches_baseline": all(e["matches_baseline"] for e in per_prompt) if greedy else None}
+
+
+def _write_outputs(out: Path, summary: dict[str, Any], per_prompt: list[dict[str, Any]], draft: Path, verifier: str,
+                   threshold: float | None) -> None:
+    """results.json, summary.json, acceptance.png and (drafts with a confidence head) calibration.png."""
+    from tiny_speculators.verifier.load import verifier_id
+
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "results.json", {**summary, "per_prompt": per_prompt})
-    write_json(out / "summary.json", summary)
+    write_json_atomic(out / "results.json", {**summary, "per_prompt": per_prompt})
+    write_json_atomic(out / "summary.json", summary)
     save_plot(out / "acceptance.png", summary["per_position_acceptance"],
               [(e["id"], e["acceptance_length"]) for e in per_prompt],
               f"{Path(str(draft)).name} on {verifier_id(verifier)}: τ = {summary['acceptance_length'] or 1:.2f}")
@@ -241,5 +319,3 @@ def evaluate(
         save_calibration_plot(out / "calibration.png", summary["confidence_calibration"],
                               f"{Path(str(draft)).name} on {verifier_id(verifier)}: confidence calibration"
                               + (f" (threshold {threshold})" if threshold is not None else ""))
-    print_table(summary)
-    return summary

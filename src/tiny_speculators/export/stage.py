@@ -29,14 +29,15 @@ from typing import Any, Literal
 
 from safetensors.torch import save_file
 
-from tiny_speculators.atomic import atomic_write
+from tiny_speculators.atomic import atomic_write, write_json_atomic
 from tiny_speculators.errors import UserError
-from tiny_speculators.export.common import EXPORT_DTYPES, read_json, write_json
+from tiny_speculators.export.common import EXPORT_DTYPES, read_json
 from tiny_speculators.export.model_card import render_model_card
 from tiny_speculators.models import FORMAT_NAMES, get_family
 from tiny_speculators.models.compat import check_against_verifier, check_verifier
 from tiny_speculators.models.family import ExportInfo
 from tiny_speculators.models.importing import OURS, import_draft, resolve_checkpoint
+from tiny_speculators.tables import print_summary_table
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,29 @@ def _training_record(directory: Path, config: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
+def _verifier(draft, config: dict[str, Any], verifier_name: str | None) -> tuple[str, list[str]]:
+    """The verifier the export names and its architectures, the draft checked against what the checkpoint
+    records of it and (``--verifier-name``) against that verifier's config."""
+    recorded = config.get("verifier") or {}
+    check_against_verifier(draft.kwargs, recorded, recorded.get("name_or_path") or "recorded in the checkpoint")
+    name = _verifier_name(verifier_name, recorded.get("name_or_path"))
+    architectures = list(recorded.get("architectures") or [])
+    vcfg = check_verifier(draft.kwargs, verifier_name)
+    if vcfg is not None:
+        architectures = list(getattr(vcfg, "architectures", None) or architectures)
+    return name, architectures
+
+
+def _write_folder(out: Path, fmt, name: str, cfg: dict[str, Any], tensors: dict[str, Any], card: str) -> None:
+    """model.safetensors, config.json, the format's companion files and README.md (the model card)."""
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    write_json_atomic(out / "config.json", cfg)
+    for companion in fmt.companions(name) if fmt.companions else []:  # e.g. the verifier's tokenizer
+        shutil.copyfile(companion, out / companion.name)
+    atomic_write(out / "README.md", lambda tmp: Path(tmp).write_text(card))
+
+
 def export(
     checkpoint: Path,
     /,
@@ -107,13 +131,7 @@ def export(
     draft, config = import_draft(source, verifier=verifier_name)
     family = get_family(config["model_type"])
     fmt = family.format(format)
-    recorded = config.get("verifier") or {}
-    check_against_verifier(draft.kwargs, recorded, recorded.get("name_or_path") or "recorded in the checkpoint")
-    name = _verifier_name(verifier_name, recorded.get("name_or_path"))
-    architectures = list(recorded.get("architectures") or [])
-    vcfg = check_verifier(draft.kwargs, verifier_name)
-    if vcfg is not None:
-        architectures = list(getattr(vcfg, "architectures", None) or architectures)
+    name, architectures = _verifier(draft, config, verifier_name)
     tokens = family.resolve_speculative_tokens(config, given=speculative_tokens)
     if tokens < 1:
         raise UserError(f"speculative_tokens must be at least 1, got {tokens}")
@@ -128,12 +146,7 @@ def export(
                              speculative_tokens=tokens, dtype=dtype, num_parameters=num_parameters,
                              training=_training_record(source, config), evaluation=evaluation, source=str(source))
 
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-    write_json(out / "config.json", cfg)
-    for companion in fmt.companions(name) if fmt.companions else []:  # e.g. the verifier's tokenizer
-        shutil.copyfile(companion, out / companion.name)
-    atomic_write(out / "README.md", lambda tmp: Path(tmp).write_text(card))
+    _write_folder(out, fmt, name, cfg, tensors, card)
     summary = {
         "format": fmt.name,
         "algorithm": family.name,
@@ -151,18 +164,13 @@ def export(
         "vllm_speculative_config": (fmt.vllm_speculative_config(str(out.resolve()), tokens)
                                     if fmt.vllm_speculative_config else None),
     }
-    write_json(out / "summary.json", summary)
+    write_json_atomic(out / "summary.json", summary)
     log.info("exported %s (%s %s, %d parameters) to %s", source, family.name, fmt.name, num_parameters, out)
     _print_summary(summary)
     return summary
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="export", show_header=False)
-    for key in ("algorithm", "format", "out", "source", "verifier", "speculative_tokens", "dtype", "parameters",
-                "bytes"):
-        table.add_row(key, json.dumps(summary[key]) if not isinstance(summary[key], str) else summary[key])
-    Console(stderr=True).print(table)
+    keys = ("algorithm", "format", "out", "source", "verifier", "speculative_tokens", "dtype", "parameters", "bytes")
+    print_summary_table("export", [(key, json.dumps(summary[key]) if not isinstance(summary[key], str)
+                                    else summary[key]) for key in keys])

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from tiny_speculators.atomic import replace_dir_atomic
-from tiny_speculators.atomic import write_json_atomic as _write_json_atomic
 from tiny_speculators.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -58,10 +57,6 @@ def latest_checkpoint(out: Path) -> Path | None:
 
 
 write_atomic_dir = replace_dir_atomic  # step_XXXXXX/, best/ and final/ are swapped in whole
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    _write_json_atomic(path, data, sort_keys=True)
 
 
 def prune_checkpoints(out: Path, keep_last: int) -> None:

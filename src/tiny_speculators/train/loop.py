@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,8 +28,10 @@ from tiny_speculators.errors import UserError
 from tiny_speculators.train import distributed as D
 from tiny_speculators.train.data import batch_tokens_of, eval_share, plan_epoch, rank_share
 from tiny_speculators.train.metrics import MetricsLogger
-from tiny_speculators.train.options import TrainOptions
 from tiny_speculators.train.schedule import lr_at, set_lr
+
+if TYPE_CHECKING:  # options.py imports the stage, which imports this loop
+    from tiny_speculators.train.options import TrainOptions
 
 log = logging.getLogger(__name__)
 

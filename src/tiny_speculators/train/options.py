@@ -1,70 +1,45 @@
 """The ``train`` stage's options as one typed, frozen object: built once from the stage's arguments (whose
 signature is the config) and handed to the setup, the loop and the checkpoints.
 
-``family`` holds the chosen draft family's own options (the dataclass in ``models/<family>/``).
+Its fields *are* ``train``'s parameters -- names, annotations and defaults read from the signature -- so the two
+cannot drift; ``family`` adds the chosen draft family's own options (the dataclass in ``models/<family>/``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tiny_speculators.train.stage import train
 
-@dataclass(frozen=True)
+# the fields a checkpoint's ``args`` has always listed first (then the rest in the signature's order)
+_FIRST = ("verifier", "out", "vocab", "algorithm", "family")
+
+
+def _fields_of(stage: Callable[..., Any]):
+    """A class decorator: the class becomes a frozen, keyword-only dataclass with one field per parameter of
+    ``stage`` (its resolved annotation and default) next to the fields the class declares itself."""
+    def decorate(cls: type) -> type:
+        params = {p.name: p for p in inspect.signature(stage).parameters.values() if p.kind is not p.VAR_KEYWORD}
+        hints = typing.get_type_hints(stage)
+        annotations = {**{name: hints[name] for name in params}, **typing.get_type_hints(cls)}
+        order = [*_FIRST, *(name for name in annotations if name not in _FIRST)]
+        cls.__annotations__ = {name: annotations[name] for name in order}
+        for name, p in params.items():
+            if p.default is not p.empty:
+                setattr(cls, name, p.default)
+        return dataclass(frozen=True, kw_only=True)(cls)
+    return decorate
+
+
+@_fields_of(train)
 class TrainOptions:
-    verifier: str
-    out: Path
-    vocab: Path | None
-    algorithm: str
     family: Any
-    hidden_states: Path | None = None
-    data: Path | None = None
-    online: bool = False
-    producer: str = "hf"
-    producer_urls: list[str] | None = None
-    producers: int = 1
-    mooncake_master: str | None = None
-    producer_timeout: float = 300.0
-    vllm_venv: Path | None = None
-    max_steps: int | None = None
-    epochs: int = 1
-    batch_size: int = 1
-    batch_tokens: int | None = None
-    pack: bool = False
-    max_length: int | None = None
-    grad_accum: int = 1
-    lr: float = 3e-4
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    max_grad_norm: float = 0.5
-    eval_fraction: float = 0.05
-    eval_every: int = 100
-    save_every: int = 200
-    keep_last: int = 3
-    resume: bool = False
-    seed: int = 0
-    precision: str = "fp32"
-    attention: str = "sdpa"
-    fsdp: bool = False
-    device: str = "auto"
-    init_from: Path | None = None
-    init_lm_head: bool = True
-    aux_layer_ids: list[int] | None = None
-    log_every: int = 1
-    progress: bool = True
-    trust_remote_code: bool = False
-    loss: dict[str, float] | None = None
-    position_weights: str = "decay"
-    dpace_alpha: float = 0.5
-    optimizer: str = "adamw"
-    muon_momentum: float = 0.95
-    muon_weight_decay: float = 0.1
-    aux_noise_std: float = 0.0
-    loss_positions: str = "answer"
-    freeze: list[str] | None = None
 
     # the training recipe: what a summary reports next to the family's options
     RECIPE_KEYS = ("loss", "position_weights", "dpace_alpha", "optimizer", "muon_momentum", "muon_weight_decay",

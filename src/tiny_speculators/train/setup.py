@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tiny_speculators.atomic import write_json_atomic
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.family import BuildInputs, DraftFamily, options_record
 from tiny_speculators.train import checkpoint as C
@@ -78,7 +79,7 @@ class Run:
         if self.info.is_main:
             meta = self._meta(state, val=val)
             self._write_draft_dir(self.opts.out / "best", model_sd,
-                                  lambda tmp: C.write_json_atomic(tmp / C.META_FILE, meta))
+                                  lambda tmp: write_json_atomic(tmp / C.META_FILE, meta, sort_keys=True))
             log.info("new best (val expected acceptance length %.3f) at step %d", val["accept_len"], state.step)
         D.barrier(self.info)
 
@@ -87,7 +88,7 @@ class Run:
         if self.info.is_main:
             meta = self._meta(state)
             self._write_draft_dir(self.opts.out / "final", model_sd,
-                                  lambda tmp: C.write_json_atomic(tmp / C.META_FILE, meta))
+                                  lambda tmp: write_json_atomic(tmp / C.META_FILE, meta, sort_keys=True))
         D.barrier(self.info)
 
     def load_checkpoint(self, folder: Path) -> TrainState:

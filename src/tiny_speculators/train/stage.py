@@ -19,25 +19,30 @@ YAML ``train: {algorithm: <family>, <family>: {<option>: V}}``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import random
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 
+from tiny_speculators.atomic import write_json_atomic
 from tiny_speculators.errors import UserError
 from tiny_speculators.models import DEFAULT_ALGORITHM, FAMILIES, Algorithm, get_family
 from tiny_speculators.models.family import parse_options
+from tiny_speculators.tables import print_summary_table
 from tiny_speculators.train import checkpoint as C
 from tiny_speculators.train import distributed as D
 from tiny_speculators.train.data import split_train_val
 from tiny_speculators.train.loop import TrainState, train_loop
 from tiny_speculators.train.metrics import MetricsLogger, plot_metrics
-from tiny_speculators.train.options import TrainOptions
+
+if TYPE_CHECKING:  # train/options.py reads its fields from train's signature, so it imports this module
+    from tiny_speculators.train.options import TrainOptions
 
 log = logging.getLogger(__name__)
 
@@ -171,66 +176,9 @@ def train(
             prefix, e.g. lm_head (the verifier's own rows when init_lm_head) or layers.0.mlp (the verifier's layer
             with the family's verifier init): fewer weights to fit the same data.
     """
-    unknown = sorted(set(family_options) - set(FAMILIES))
-    if unknown:
-        raise UserError(f"unknown train option(s) {', '.join(unknown)}")
-    strays = sorted(n for n, v in family_options.items() if v and n != algorithm)
-    if strays:
-        raise UserError(f"options for {', '.join(strays)} given, but the algorithm is {algorithm!r}: "
-                        "remove them or choose that algorithm")
-    family = get_family(algorithm)
-    options = parse_options(family.options, family_options.get(algorithm), f"train.{algorithm}")
-    out = Path(out)
-    if vocab is None and not family.uses_verifier_vocab:
-        raise UserError(f"--vocab is required for {algorithm} (the vocab stage's output folder)")
-    if vocab is not None and family.uses_verifier_vocab:
-        log.info("%s drafts over the verifier's whole vocabulary: --vocab %s is not used", algorithm, vocab)
-        vocab = None
-    if online == (hidden_states is not None):
-        raise UserError("give either --hidden-states DIR (offline) or --data PREPARED_DIR --online")
-    if online and data is None:
-        raise UserError("--online needs --data PREPARED_DIR (a prepare output folder)")
-    if not online and data is not None:
-        raise UserError("--data is for online training; add --online, or train offline with --hidden-states")
-    if producer == "vllm" and not online:
-        raise UserError("--producer vllm is a way of online training: add --online --data PREPARED_DIR")
-    if producer != "vllm" and (producer_urls or mooncake_master):
-        raise UserError("--producer-urls / --mooncake-master are for --producer vllm")
-    for name, v in (("grad_accum", grad_accum), ("batch_size", batch_size), ("epochs", epochs),
-                    ("log_every", log_every)):
-        if v < 1:
-            raise UserError(f"{name} must be at least 1, got {v}")
-    for name, v in (("aux_noise_std", aux_noise_std), ("muon_weight_decay", muon_weight_decay),
-                    ("muon_momentum", muon_momentum)):
-        if not v >= 0:
-            raise UserError(f"{name} must be at least 0, got {v}")
-    from tiny_speculators.models.losses import LossSpec
-
-    try:
-        LossSpec.from_mapping(loss, position_weights, dpace_alpha)
-    except ValueError as e:
-        raise UserError(f"--loss / --position-weights: {e}") from None
-    if attention == "flex":
-        try:
-            import torch.nn.attention.flex_attention  # noqa: F401
-        except ImportError:
-            raise UserError("attention 'flex' needs torch.nn.attention.flex_attention; use --attention sdpa") from None
-    opts = TrainOptions(
-        verifier=verifier, vocab=None if vocab is None else Path(vocab), out=out, algorithm=algorithm, family=options,
-        hidden_states=hidden_states, data=data, online=online, producer=producer,
-        producer_urls=list(producer_urls) if producer_urls else None, producers=producers,
-        mooncake_master=mooncake_master, producer_timeout=producer_timeout, vllm_venv=vllm_venv,
-        max_steps=max_steps, epochs=epochs,
-        batch_size=batch_size, batch_tokens=batch_tokens, pack=pack, max_length=max_length, grad_accum=grad_accum,
-        lr=lr, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, weight_decay=weight_decay,
-        max_grad_norm=max_grad_norm, eval_fraction=eval_fraction, eval_every=eval_every, save_every=save_every,
-        keep_last=keep_last, resume=resume, seed=seed, precision=precision, attention=attention, fsdp=fsdp,
-        device=device, init_from=init_from, init_lm_head=init_lm_head, aux_layer_ids=aux_layer_ids,
-        log_every=log_every, progress=progress, trust_remote_code=trust_remote_code,
-        loss=dict(loss) if loss else None, position_weights=position_weights, dpace_alpha=dpace_alpha,
-        optimizer=optimizer, muon_momentum=muon_momentum, muon_weight_decay=muon_weight_decay,
-        aux_noise_std=aux_noise_std, loss_positions=loss_positions, freeze=list(freeze) if freeze else None,
-    )
+    arguments = dict(locals())  # the signature's values: read first, before any other name is bound here
+    del arguments["family_options"]
+    opts = _checked(_typed(arguments, _family_options(algorithm, family_options)))
     info = D.setup_distributed(device)
     try:
         return _train(info, opts)
@@ -240,6 +188,85 @@ def train(
 
 # the family sections this stage takes (config.bind validates them against each family's options)
 train.option_sections = {name: family.options for name, family in FAMILIES.items()}
+
+
+def _family_options(algorithm: str, family_options: dict[str, Any]) -> Any:
+    """The chosen family's own options (its dataclass) from its section; sections of other families are errors."""
+    unknown = sorted(set(family_options) - set(FAMILIES))
+    if unknown:
+        raise UserError(f"unknown train option(s) {', '.join(unknown)}")
+    strays = sorted(n for n, v in family_options.items() if v and n != algorithm)
+    if strays:
+        raise UserError(f"options for {', '.join(strays)} given, but the algorithm is {algorithm!r}: "
+                        "remove them or choose that algorithm")
+    return parse_options(get_family(algorithm).options, family_options.get(algorithm), f"train.{algorithm}")
+
+
+def _typed(arguments: dict[str, Any], family: Any) -> TrainOptions:
+    """``train``'s arguments as one frozen object (paths as ``Path``, sequences as fresh lists and dicts)."""
+    from tiny_speculators.train.options import TrainOptions
+
+    a = dict(arguments)
+    a["out"] = Path(a["out"])
+    a["vocab"] = None if a["vocab"] is None else Path(a["vocab"])
+    a["producer_urls"] = list(a["producer_urls"]) if a["producer_urls"] else None
+    a["loss"] = dict(a["loss"]) if a["loss"] else None
+    a["freeze"] = list(a["freeze"]) if a["freeze"] else None
+    return TrainOptions(**a, family=family)
+
+
+def _checked(opts: TrainOptions) -> TrainOptions:
+    """``opts`` once every option agrees with the others (one-line errors naming them); a ``--vocab`` the family
+    does not use is dropped."""
+    family = get_family(opts.algorithm)
+    if opts.vocab is None and not family.uses_verifier_vocab:
+        raise UserError(f"--vocab is required for {opts.algorithm} (the vocab stage's output folder)")
+    if opts.vocab is not None and family.uses_verifier_vocab:
+        log.info("%s drafts over the verifier's whole vocabulary: --vocab %s is not used", opts.algorithm, opts.vocab)
+        opts = dataclasses.replace(opts, vocab=None)
+    _check_sources(opts)
+    _check_numbers(opts)
+    _check_loss_and_attention(opts)
+    return opts
+
+
+def _check_sources(opts: TrainOptions) -> None:
+    """Offline from shards, or online from prepared data (in this process or from vLLM producers)."""
+    if opts.online == (opts.hidden_states is not None):
+        raise UserError("give either --hidden-states DIR (offline) or --data PREPARED_DIR --online")
+    if opts.online and opts.data is None:
+        raise UserError("--online needs --data PREPARED_DIR (a prepare output folder)")
+    if not opts.online and opts.data is not None:
+        raise UserError("--data is for online training; add --online, or train offline with --hidden-states")
+    if opts.producer == "vllm" and not opts.online:
+        raise UserError("--producer vllm is a way of online training: add --online --data PREPARED_DIR")
+    if opts.producer != "vllm" and (opts.producer_urls or opts.mooncake_master):
+        raise UserError("--producer-urls / --mooncake-master are for --producer vllm")
+
+
+def _check_numbers(opts: TrainOptions) -> None:
+    for name, v in (("grad_accum", opts.grad_accum), ("batch_size", opts.batch_size), ("epochs", opts.epochs),
+                    ("log_every", opts.log_every)):
+        if v < 1:
+            raise UserError(f"{name} must be at least 1, got {v}")
+    for name, v in (("aux_noise_std", opts.aux_noise_std), ("muon_weight_decay", opts.muon_weight_decay),
+                    ("muon_momentum", opts.muon_momentum)):
+        if not v >= 0:
+            raise UserError(f"{name} must be at least 0, got {v}")
+
+
+def _check_loss_and_attention(opts: TrainOptions) -> None:
+    from tiny_speculators.models.losses import LossSpec
+
+    try:
+        LossSpec.from_mapping(opts.loss, opts.position_weights, opts.dpace_alpha)
+    except ValueError as e:
+        raise UserError(f"--loss / --position-weights: {e}") from None
+    if opts.attention == "flex":
+        try:
+            import torch.nn.attention.flex_attention  # noqa: F401
+        except ImportError:
+            raise UserError("attention 'flex' needs torch.nn.attention.flex_attention; use --attention sdpa") from None
 
 
 def _seed_everything(seed: int) -> None:
@@ -309,18 +336,12 @@ def _train_with(info: D.DistInfo, opts: TrainOptions, resume_from: Path | None, 
     }
     if info.is_main:
         plot_metrics(out)
-        C.write_json_atomic(out / "summary.json", summary)
+        write_json_atomic(out / "summary.json", summary, sort_keys=True)
         _print_summary(summary)
     return summary
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="train")
-    table.add_column("metric")
-    table.add_column("value")
     ft, fv = summary["final_train"] or {}, summary["final_val"] or {}
     rows = [("mode", summary["mode"]), ("steps", summary["steps"]), ("tokens seen", summary["tokens_seen"]),
             ("train loss", f"{ft.get('loss', float('nan')):.4f}"),
@@ -328,6 +349,4 @@ def _print_summary(summary: dict[str, Any]) -> None:
             ("val acc per step", json.dumps([round(a, 3) for a in fv.get("acc", [])]) if fv else "-"),
             ("val accept length", f"{fv['accept_len']:.3f}" if fv else "-"),
             ("seconds", summary["train_seconds"]), ("out", summary["out"])]
-    for k, v in rows:
-        table.add_row(k, str(v))
-    Console(stderr=True).print(table)
+    print_summary_table("train", [(k, str(v)) for k, v in rows], header=("metric", "value"))

@@ -35,6 +35,7 @@ from tiny_speculators.storage.layout import Layout, bytes_per_token
 from tiny_speculators.storage.manifest import done_shards, init_plan, merge_manifest, shard_name, write_json_atomic
 from tiny_speculators.storage.reader import verify_extraction
 from tiny_speculators.storage.shards import ShardWriter
+from tiny_speculators.tables import print_summary_table
 from tiny_speculators.verifier.capture import capture_hidden_states, check_layer_ids, default_aux_layer_ids
 from tiny_speculators.verifier.describe import text_config
 from tiny_speculators.verifier.load import load_tokenizer, load_verifier, parse_dtype, verifier_id
@@ -185,14 +186,8 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
 
 
 def _report(summary: dict[str, Any], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title, show_header=False)
-    for key, value in summary.items():
-        if not isinstance(value, (dict, list)):
-            table.add_row(key, f"{value:,.3f}" if isinstance(value, float) else str(value))
-    Console(stderr=True).print(table)
+    print_summary_table(title, [(key, f"{value:,.3f}" if isinstance(value, float) else str(value))
+                                for key, value in summary.items() if not isinstance(value, (dict, list))])
 
 
 def _settings(verifier: str, model, parts: VerifierParts, aux_ids: list[int], dtype: str, store: Layout,
@@ -288,12 +283,7 @@ def extract(
         progress: show a progress bar with tokens/s.
     """
     if verify is not None:
-        report = verify_extraction(verify)
-        _report({k: v for k, v in report.items() if k != "problems"}, f"verify {verify}")
-        if not report["ok"]:
-            raise UserError(f"{len(report['problems'])} of {report['shards']} shards in {verify} are bad: "
-                            + " | ".join(report["problems"]))
-        return report
+        return _verify(verify)
     if data is None or out is None:
         raise UserError("extract needs --data (a prepared dataset) and --out (or --verify DIR)")
     started = time.perf_counter()
@@ -304,31 +294,13 @@ def extract(
     if not verifier:
         raise UserError(f"{data}/summary.json names no verifier; pass --verifier")
     device, dtype = _resolve(device, dtype)
-    if backend == "vllm":  # first: a missing or untested vLLM fails before anything is loaded
-        from tiny_speculators.verifier.vllm_extract import verifier_skeleton, vllm_extract_python
-
-        vllm_py = vllm_extract_python(vllm_venv, out, allow_untested_vllm)
-        model, source = verifier_skeleton(verifier, trust_remote_code)  # weights stay with vLLM
-    else:
-        model, _ = load_verifier(verifier, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-                                 with_tokenizer=False)
+    model, source, vllm_py = _load(verifier, backend, dtype, device, out, vllm_venv, allow_untested_vllm,
+                                   trust_remote_code)
     parts = find_parts(model)
     aux_ids = check_layer_ids(layers if layers else default_aux_layer_ids(parts.num_hidden_layers),
                               parts.num_hidden_layers)
     embed_vocab = parts.embed_tokens.num_embeddings
-    data_vocab = prepared.get("vocab_size")
-    if data_vocab is not None and int(data_vocab) > embed_vocab:
-        raise UserError(f"{data} was prepared with a tokenizer of {data_vocab} tokens but verifier {verifier} "
-                        f"embeds only {embed_vocab}: prepare the data with this verifier")
-    try:
-        tokenizer_size = len(load_tokenizer(verifier, trust_remote_code))
-    except UserError:
-        tokenizer_size = None  # no tokenizer next to the weights: rely on the vocabulary checks
-    if tokenizer_size is not None and data_vocab is not None and int(data_vocab) != tokenizer_size:
-        raise UserError(f"{data} was prepared with a tokenizer of {data_vocab} tokens, but verifier {verifier}'s "
-                        f"tokenizer has {tokenizer_size}: prepare the data with this verifier's tokenizer")
-    if prepared.get("verifier_id") and prepared["verifier_id"] != verifier_id(verifier):
-        log.warning("%s was prepared for %s; extracting with %s", data, prepared["verifier_id"], verifier_id(verifier))
+    _check_vocabulary(data, prepared, verifier, embed_vocab, trust_remote_code)
     store = Layout.parse(layout, topk)
     n_aux, hidden = len(aux_ids), parts.hidden_size
     per_token = bytes_per_token(store, n_aux, hidden, dtype)
@@ -339,18 +311,10 @@ def extract(
     settings = _settings(verifier, model, parts, aux_ids, dtype, store, dataset, lengths, backend)
     out.mkdir(parents=True, exist_ok=True)
     init_plan(out, settings, plan)
-    done = done_shards(out)
-    mine = [k for k in range(len(plan)) if k % world == rank_ and k not in done]
-    for k in mine:  # leftovers of a killed run of this rank
-        for tmp in out.glob(f".{shard_name(k)}.tmp-*"):
-            tmp.unlink(missing_ok=True)
-    if done:
-        log.info("resuming: %d of %d shards already done", len(done), len(plan))
-    todo_tokens = sum(plan[k]["tokens"] for k in mine)
+    mine = _shards_of_rank(out, plan, rank_, world)
     log.info("extract (%s): %s layers %s (%s, %s, layout %s) -> %s: rank %d/%d writes %d shard(s), %d tokens",
-             backend, verifier, aux_ids, dtype, device, store.name, out, rank_, world, len(mine), todo_tokens)
-    from tqdm.auto import tqdm
-
+             backend, verifier, aux_ids, dtype, device, store.name, out, rank_, world, len(mine),
+             sum(plan[k]["tokens"] for k in mine))
     store_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
 
     def shard_records(k: int) -> dict[str, list]:
@@ -365,44 +329,120 @@ def extract(
                                max(lengths) + 1, max_tokens_per_batch, enforce_eager, trust_remote_code)
         else:
             run = _hf_source(model, parts, aux_ids, store, device, max_tokens_per_batch, store_dtype)
-        writer = ShardWriter(out, rank_, store, n_aux)
-        bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc=f"extract rank {rank_}",
-                   disable=None if progress else True)
-        compute_started, tokens_done = time.perf_counter(), 0
-        try:
-            for n_done, (k, samples) in enumerate(zip(mine, run(shard_records(k) for k in mine), strict=True), 1):
-                writer.submit(k, plan[k]["start"], plan[k]["end"], samples)
-                bar.update(plan[k]["tokens"])
-                tokens_done += plan[k]["tokens"]
-                elapsed = time.perf_counter() - compute_started
-                log.info("shard %d (%d/%d of this rank): %.0f tokens/s so far", k, n_done, len(mine),
-                         tokens_done / elapsed if elapsed > 0 else 0.0)
-            written = writer.close()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                writer.close()  # keep the shards that are complete; the original error wins
-            raise
-        finally:
-            bar.close()
-        seconds = time.perf_counter() - compute_started
+        written, seconds = _write_shards(ShardWriter(out, rank_, store, n_aux), run, shard_records, plan, mine,
+                                         rank_, progress)
     manifest = merge_manifest(out)
-    tokens = sum(e["tokens"] for e in written)
-    nbytes = sum(e["bytes"] for e in written)
     summary = {
-        "rank": rank_, "world_size": world, "samples": sum(e["end"] - e["start"] for e in written),
-        "tokens": tokens, "bytes": nbytes, "seconds": round(seconds, 3),
-        "seconds_total": round(time.perf_counter() - started, 3),
-        "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 and tokens else 0.0,
-        "bytes_per_token": round(nbytes / tokens, 1) if tokens else round(float(per_token), 1),
+        "rank": rank_, "world_size": world, **_measures(written, seconds, started, per_token),
         "shards_written": len(written), "shards_total": len(plan), "complete": manifest is not None,
         "layout": store.name, "dtype": dtype, "device": device, "backend": backend, "aux_layer_ids": aux_ids,
         "data": str(data),
     }
+    _write_summary(out, summary, manifest, rank_, world)
+    _report(summary, f"extract -> {out}")
+    return summary
+
+
+def _load(verifier: str, backend: str, dtype: str, device: str, out: Path, vllm_venv: Path | None,
+          allow_untested_vllm: bool, trust_remote_code: bool) -> tuple[Any, str | None, Path | None]:
+    """The verifier (with backend vllm: its skeleton, the weights stay with vLLM), vLLM's source name for it and
+    the vLLM environment's interpreter (both None with backend hf)."""
+    if backend == "vllm":  # first: a missing or untested vLLM fails before anything is loaded
+        from tiny_speculators.verifier.vllm_extract import verifier_skeleton, vllm_extract_python
+
+        vllm_py = vllm_extract_python(vllm_venv, out, allow_untested_vllm)
+        model, source = verifier_skeleton(verifier, trust_remote_code)  # weights stay with vLLM
+        return model, source, vllm_py
+    model, _ = load_verifier(verifier, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                             with_tokenizer=False)
+    return model, None, None
+
+
+def _verify(verify: Path) -> dict[str, Any]:
+    """``--verify``: check every shard of a finished extraction; bad shards are an error naming each."""
+    report = verify_extraction(verify)
+    _report({k: v for k, v in report.items() if k != "problems"}, f"verify {verify}")
+    if not report["ok"]:
+        raise UserError(f"{len(report['problems'])} of {report['shards']} shards in {verify} are bad: "
+                        + " | ".join(report["problems"]))
+    return report
+
+
+def _check_vocabulary(data: Path, prepared: dict[str, Any], verifier: str, embed_vocab: int,
+                      trust_remote_code: bool) -> None:
+    """The data was prepared with this verifier's tokenizer (as far as its summary.json and the verifier tell)."""
+    data_vocab = prepared.get("vocab_size")
+    if data_vocab is not None and int(data_vocab) > embed_vocab:
+        raise UserError(f"{data} was prepared with a tokenizer of {data_vocab} tokens but verifier {verifier} "
+                        f"embeds only {embed_vocab}: prepare the data with this verifier")
+    try:
+        tokenizer_size = len(load_tokenizer(verifier, trust_remote_code))
+    except UserError:
+        tokenizer_size = None  # no tokenizer next to the weights: rely on the vocabulary checks
+    if tokenizer_size is not None and data_vocab is not None and int(data_vocab) != tokenizer_size:
+        raise UserError(f"{data} was prepared with a tokenizer of {data_vocab} tokens, but verifier {verifier}'s "
+                        f"tokenizer has {tokenizer_size}: prepare the data with this verifier's tokenizer")
+    if prepared.get("verifier_id") and prepared["verifier_id"] != verifier_id(verifier):
+        log.warning("%s was prepared for %s; extracting with %s", data, prepared["verifier_id"], verifier_id(verifier))
+
+
+def _shards_of_rank(out: Path, plan: list[dict[str, int]], rank: int, world: int) -> list[int]:
+    """The shards this rank still has to write (rank k mod world), with a killed run's leftovers removed."""
+    done = done_shards(out)
+    mine = [k for k in range(len(plan)) if k % world == rank and k not in done]
+    for k in mine:  # leftovers of a killed run of this rank
+        for tmp in out.glob(f".{shard_name(k)}.tmp-*"):
+            tmp.unlink(missing_ok=True)
+    if done:
+        log.info("resuming: %d of %d shards already done", len(done), len(plan))
+    return mine
+
+
+def _write_shards(writer: ShardWriter, run: Source, shard_records: Callable[[int], dict[str, list]],
+                  plan: list[dict[str, int]], mine: list[int], rank: int,
+                  progress: bool) -> tuple[list[dict[str, Any]], float]:
+    """Compute and write this rank's shards in order: what was written, and the seconds it took."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=sum(plan[k]["tokens"] for k in mine), unit="tok", unit_scale=True, desc=f"extract rank {rank}",
+               disable=None if progress else True)
+    compute_started, tokens_done = time.perf_counter(), 0
+    try:
+        for n_done, (k, samples) in enumerate(zip(mine, run(shard_records(k) for k in mine), strict=True), 1):
+            writer.submit(k, plan[k]["start"], plan[k]["end"], samples)
+            bar.update(plan[k]["tokens"])
+            tokens_done += plan[k]["tokens"]
+            elapsed = time.perf_counter() - compute_started
+            log.info("shard %d (%d/%d of this rank): %.0f tokens/s so far", k, n_done, len(mine),
+                     tokens_done / elapsed if elapsed > 0 else 0.0)
+        written = writer.close()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            writer.close()  # keep the shards that are complete; the original error wins
+        raise
+    finally:
+        bar.close()
+    return written, time.perf_counter() - compute_started
+
+
+def _measures(written: list[dict[str, Any]], seconds: float, started: float, per_token: float) -> dict[str, Any]:
+    tokens = sum(e["tokens"] for e in written)
+    nbytes = sum(e["bytes"] for e in written)
+    return {
+        "samples": sum(e["end"] - e["start"] for e in written),
+        "tokens": tokens, "bytes": nbytes, "seconds": round(seconds, 3),
+        "seconds_total": round(time.perf_counter() - started, 3),
+        "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 and tokens else 0.0,
+        "bytes_per_token": round(nbytes / tokens, 1) if tokens else round(float(per_token), 1),
+    }
+
+
+def _write_summary(out: Path, summary: dict[str, Any], manifest: dict[str, Any] | None, rank: int,
+                   world: int) -> None:
+    """This rank's summary (with the totals once every shard is written); summary.json is the last rank's."""
     if manifest is not None:
         summary.update({"total_samples": manifest["samples"], "total_tokens": manifest["tokens"],
                         "total_bytes": manifest["bytes"]})
-    write_json_atomic(out / ("summary.json" if world == 1 else f"parts/summary-rank-{rank_:05d}.json"), summary)
+    write_json_atomic(out / ("summary.json" if world == 1 else f"parts/summary-rank-{rank:05d}.json"), summary)
     if world > 1 and manifest is not None:
         write_json_atomic(out / "summary.json", summary)
-    _report(summary, f"extract -> {out}")
-    return summary

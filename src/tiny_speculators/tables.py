@@ -1,0 +1,28 @@
+"""The summary table a stage prints when it is done: one row per name and value, with rich.
+
+    from tiny_speculators.tables import print_summary_table
+    print_summary_table("vocab -> runs/vocab", [("size", "8192"), ("coverage", "0.97")])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal
+
+__all__ = ["print_summary_table"]
+
+
+def print_summary_table(title: str, rows: Iterable[tuple[str, str]], *, header: tuple[str, str] | None = None,
+                        justify: Literal["left", "right"] = "left", stderr: bool = True) -> None:
+    """Print ``rows`` (name, value) under ``title``: with a ``header`` row (names of the two columns) or none, the
+    values justified ``justify``; on stderr (next to the logs) unless ``stderr`` is False."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_header=header is not None)
+    if header is not None:
+        table.add_column(header[0])
+        table.add_column(header[1], justify=justify)
+    for name, value in rows:
+        table.add_row(name, value)
+    Console(stderr=stderr).print(table)
