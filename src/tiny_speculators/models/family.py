@@ -35,7 +35,7 @@ from torch import nn
 from tiny_speculators.errors import UserError
 
 __all__ = ["BuildInputs", "ConfidenceProposer", "DraftFamily", "DraftFormat", "DraftTree", "ExportInfo", "Objective",
-           "Proposer", "StepOutput", "TreeParams", "mask_token_of", "parse_options"]
+           "Proposer", "StepOutput", "TreeParams", "mask_token_of", "parse_options", "resolve_layer_type"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,13 @@ def mask_token_of(requested: int | None, verifier_config: Any) -> int:
         if isinstance(value, int):
             return value
     return 0
+
+
+def resolve_layer_type(layer_type: str, verifier_config: Any) -> str:
+    """A draft option ``layer_type``: ``auto`` is qwen3 for a Qwen3 verifier, else llama."""
+    if layer_type != "auto":
+        return layer_type
+    return "qwen3" if str(getattr(verifier_config, "model_type", "")).startswith("qwen3") else "llama"
 
 
 @dataclass

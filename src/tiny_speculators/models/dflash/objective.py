@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from tiny_speculators.models.dflash.model import DFlashDraft
-from tiny_speculators.models.eagle3.ttt import positions_from_documents
 from tiny_speculators.models.family import StepOutput
 from tiny_speculators.models.losses import (
     DenseTargets,
@@ -38,6 +37,7 @@ from tiny_speculators.models.losses import (
     dpace_weights,
     rowwise_losses,
 )
+from tiny_speculators.models.ttt import positions_of
 
 KEEP = "_dflash_anchors"  # batch key: (anchors [B, N], valid [B, N]) set by loss_counts
 METRIC_KEYS = ("loss_sum", "wloss_sum", "count", "correct", "cond_correct", "cond_count")
@@ -127,12 +127,9 @@ def block_hidden(draft: DFlashDraft, batch: Mapping[str, Any], anchors: torch.Te
     """Pre-norm outputs ``[B, N, L', H]`` of the slots ``keep`` (all ``L`` by default) of every block of ``anchors
     [B, N]``, ``anchor_chunk`` anchors per forward (bounded attention memory); and the injected context."""
     ids = batch["input_ids"]
-    b, t = ids.shape
+    b = ids.shape[0]
     doc = documents(batch)
-    pos = batch.get("position_ids")
-    if pos is None:
-        pos = positions_from_documents(doc) if batch.get("document_ids") is not None else \
-            torch.arange(t, device=ids.device).expand(b, t)
+    pos = positions_of(ids, batch.get("document_ids"), batch.get("position_ids"))
     size = draft.block_size
     context = draft.context(batch["aux_hidden_states"], pos)
     hidden = []

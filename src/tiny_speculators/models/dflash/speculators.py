@@ -27,8 +27,11 @@ from typing import Any
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.builder import decoder_fields, layer_shape_of
-from tiny_speculators.models.eagle3.speculators import (
+from tiny_speculators.models.family import DraftFormat, ExportInfo
+from tiny_speculators.models.files import cast_state, dtype_name, read_json
+from tiny_speculators.models.shape import decoder_fields, layer_shape_of
+from tiny_speculators.models.speculators_format import (
+    CONFIG,
     SPECULATORS_SCHEMA_VERSION,
     check_proposal,
     layer_config,
@@ -37,10 +40,6 @@ from tiny_speculators.models.eagle3.speculators import (
     speculative_tokens_of,
     verifier_of,
 )
-from tiny_speculators.models.family import DraftFormat, ExportInfo
-from tiny_speculators.models.files import cast_state, dtype_name, read_json
-
-CONFIG = "config.json"
 
 
 def config(kwargs: Mapping[str, Any], info: ExportInfo) -> dict[str, Any]:

@@ -17,11 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiny_speculators.models.eagle3.ttt import METRIC_KEYS, summarize_metrics, ttt_step, valid_anchors
 from tiny_speculators.models.family import StepOutput
 from tiny_speculators.models.losses import LossSpec
-
-STAT_KEYS = METRIC_KEYS
+from tiny_speculators.models.metrics import METRIC_KEYS, summarize
+from tiny_speculators.models.ttt import step_counts, ttt_step
 
 
 class TTTModule(nn.Module):
@@ -55,21 +54,8 @@ class TTTModule(nn.Module):
         return step_counts(batch, self.steps)
 
     def new_stats(self, device: torch.device) -> dict[str, torch.Tensor]:
-        return {key: torch.zeros(self.steps, dtype=torch.float64, device=device) for key in STAT_KEYS}
+        return {key: torch.zeros(self.steps, dtype=torch.float64, device=device) for key in METRIC_KEYS}
 
     def summarize(self, stats: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         return summarize(stats, self.decay)
 
-
-def step_counts(batch: dict[str, Any], steps: int) -> torch.Tensor:
-    """``[K]`` number of anchors with a target at each TTT step (the loss normalizer's local part)."""
-    return valid_anchors(batch["loss_mask"], batch.get("document_ids"), steps).sum(dim=(1, 2))
-
-
-def summarize(stats: Mapping[str, torch.Tensor], decay: float) -> dict[str, Any]:
-    """Reduced sums -> ``loss``, per-step lists ``loss_steps``, ``acc``, ``cond_acc``, and ``accept_len``."""
-    flat = summarize_metrics(dict(stats), decay)
-    k = stats["count"].numel()
-    return {"loss": flat["loss"], "loss_steps": [flat[f"loss_{i}"] for i in range(k)],
-            "acc": [flat[f"acc_{i}"] for i in range(k)], "cond_acc": [flat[f"cond_acc_{i}"] for i in range(k)],
-            "accept_len": flat["acceptance_length"], "positions": flat["tokens"]}

@@ -2,7 +2,7 @@
 
 Step 1 at anchor ``t`` reads the verifier's last pre-norm state ``h_t`` and token ``x_{t+1}``; step k reads the
 layer's own output of step k-1 and ``x_{t+k}``, at position ``pos[t] + k - 1``, attending to the step-1 keys of
-its document up to ``t`` and its own chain: exactly EAGLE-3's training-time-test rollout (``eagle3/ttt.py``), so
+its document up to ``t`` and its own chain: exactly EAGLE-3's training-time-test rollout (``models/ttt.py``), so
 that rollout, its chunked KL loss to the verifier and its metrics are reused with the MTP layer as the draft.
 
 Loss (``models/losses.py``; forward KL unless the run chooses others): ``sum_k w_k * loss_k / count_k`` with
@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.objective import STAT_KEYS, step_counts, summarize
-from tiny_speculators.models.eagle3.ttt import ttt_step
 from tiny_speculators.models.family import StepOutput
 from tiny_speculators.models.losses import LossSpec
+from tiny_speculators.models.metrics import METRIC_KEYS, summarize
+from tiny_speculators.models.ttt import step_counts, ttt_step
 
 __all__ = ["MTPObjective", "step_weights_sum"]
 
@@ -66,7 +66,7 @@ class MTPObjective(nn.Module):
         return step_counts(batch, self.steps)
 
     def new_stats(self, device: torch.device) -> dict[str, torch.Tensor]:
-        return {key: torch.zeros(self.steps, dtype=torch.float64, device=device) for key in STAT_KEYS}
+        return {key: torch.zeros(self.steps, dtype=torch.float64, device=device) for key in METRIC_KEYS}
 
     def summarize(self, stats: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """``loss`` (normalized weights, as trained), ``loss_steps``, ``acc``, ``cond_acc``, ``accept_len``."""

@@ -24,12 +24,12 @@ from typing import Any
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.builder import rope_parameters_of
 from tiny_speculators.models.family import DraftFormat, ExportInfo
 from tiny_speculators.models.files import cast_state, require
 from tiny_speculators.models.mtp import deepseek
 from tiny_speculators.models.mtp.model import BIASES, LAYER_TENSORS, SHARED, MTPDraft
 from tiny_speculators.models.mtp.weights import mtp_layout, verifier_folder
+from tiny_speculators.models.shape import rope_parameters_of
 
 ARCHITECTURES = {"mimo": "MiMoForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}  # layout -> verifier class
 SKIP = ("model.safetensors.index.json", "config.json", "README.md", "summary.json")
