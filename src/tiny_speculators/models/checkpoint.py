@@ -19,6 +19,7 @@ from torch import nn
 
 from tiny_speculators.atomic import atomic_write
 from tiny_speculators.errors import UserError
+from tiny_speculators.models.family import DraftModel
 from tiny_speculators.models.files import read_json
 
 WEIGHTS = "model.safetensors"
@@ -27,7 +28,7 @@ CONFIG = "draft_config.json"
 __all__ = ["CONFIG", "WEIGHTS", "load_draft", "materialize", "read_draft_config", "save_draft"]
 
 
-def save_draft(directory: str | Path, draft: nn.Module, meta: dict[str, Any] | None = None) -> Path:
+def save_draft(directory: str | Path, draft: DraftModel, meta: dict[str, Any] | None = None) -> Path:
     """Write ``model.safetensors`` and ``draft_config.json`` into ``directory`` (each atomically).
 
     ``meta`` is merged into the config; callers pass at least ``verifier``
@@ -67,7 +68,7 @@ def read_draft_config(directory: str | Path) -> dict[str, Any]:
 
 
 def materialize(model_cls: type[nn.Module], kwargs: Mapping[str, Any], state: Mapping[str, torch.Tensor],
-                where: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+                where: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> DraftModel:
     """``model_cls(**kwargs)`` filled with ``state`` without random initialization (built on the meta device);
     a state that does not match the config names the missing / unexpected tensors and bad shapes."""
     with torch.device("meta"):
