@@ -26,8 +26,8 @@ from tiny_speculators.models.attention import KVCache, attend_cached
 __all__ = [
     "LAYER_FIELDS", "MLP", "Attention", "DecoderLayer", "DraftOutput", "LlamaLayer", "RMSNorm", "Rotary",
     "add_input_layers", "add_output_layers", "apply_rope", "check_aux_layer_ids", "check_heads", "check_layer_type",
-    "check_mask_token", "decoder_stack", "init_weights", "layer_kwargs", "o_proj_bias", "restore_after_load",
-    "rope_or_default", "rotary_of", "to_target_ids", "to_target_logits",
+    "check_mask_token", "decoder_stack", "fuse_states", "init_weights", "layer_kwargs", "o_proj_bias",
+    "restore_after_load", "rope_or_default", "rotary_of", "to_target_ids", "to_target_logits",
 ]
 
 # The keyword arguments every decoder layer takes from its draft's kwargs (families add their own flags)
@@ -231,6 +231,17 @@ def add_input_layers(draft: nn.Module, *, norm_before_fc: bool) -> None:
     draft.embed_tokens.weight.requires_grad_(kw["train_embeddings"])
     width = kw["num_aux"] * kw["target_hidden_size"]
     draft.input_norm = RMSNorm(width, kw["rms_norm_eps"]) if norm_before_fc else None
+
+
+def fuse_states(draft: nn.Module, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+    """A fused-input draft's ``fuse``: ``[..., num_aux*Ht]`` verifier states -> ``[..., H]`` through its optional
+    ``input_norm`` (one norm over the whole input), optional ``fc_norm`` (one norm per aux chunk), then ``fc``."""
+    x = aux_hidden_states.to(draft.fc.weight.dtype)
+    if draft.input_norm is not None:
+        x = draft.input_norm(x)
+    if draft.fc_norm is not None:
+        x = torch.cat([n(c) for n, c in zip(draft.fc_norm, x.chunk(draft.num_aux, dim=-1), strict=True)], dim=-1)
+    return draft.fc(x)
 
 
 def decoder_stack(kwargs: Mapping[str, Any], num_layers: int) -> nn.ModuleList:

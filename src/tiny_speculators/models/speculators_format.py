@@ -16,11 +16,12 @@ from typing import Any
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.files import require
+from tiny_speculators.models.family import ExportInfo
+from tiny_speculators.models.files import dtype_name, require
 from tiny_speculators.models.shape import decoder_fields
 
-__all__ = ["CONFIG", "LAYER_ARCHITECTURES", "SPECULATORS_SCHEMA_VERSION", "check_proposal", "layer_config",
-           "layer_rows", "normalize_state", "proposal_config", "serve_command", "speculative_tokens_of",
+__all__ = ["CONFIG", "LAYER_ARCHITECTURES", "SPECULATORS_SCHEMA_VERSION", "check_proposal", "config_json",
+           "layer_config", "layer_rows", "normalize_state", "proposal_config", "serve_command", "speculative_tokens_of",
            "transformer_layer_config", "verifier_of", "without_identity_maps"]
 
 CONFIG = "config.json"
@@ -70,6 +71,31 @@ def proposal_config(algorithm: str, speculative_tokens: int, verifier_name: str,
         "default_proposal_method": "greedy",
         "verifier": {"name_or_path": verifier_name, "architectures": list(verifier_architectures or [])},
     }
+
+
+def config_json(model_type: str, architecture: str, kwargs: Mapping[str, Any], own: Mapping[str, Any], *,
+                layer: Mapping[str, Any], aux_layer_ids: list[int] | None, info: ExportInfo) -> dict[str, Any]:
+    """A draft's ``config.json``: the speculators header, the family's ``own`` top-level fields, ``target_hidden_size``
+    when the verifier is wider than the draft, ``eagle_aux_hidden_state_layer_ids`` (when given), the decoder
+    ``layer`` as ``transformer_layer_config``, the proposal (algorithm = ``model_type``) and the dtype."""
+    cfg: dict[str, Any] = {
+        "architectures": [architecture],
+        "speculators_model_type": model_type,
+        "speculators_version": SPECULATORS_SCHEMA_VERSION,
+        "draft_vocab_size": int(kwargs["draft_vocab_size"]),
+        **own,
+        "tie_word_embeddings": False,
+    }
+    target_hidden = kwargs.get("target_hidden_size") or kwargs["hidden_size"]
+    if target_hidden != kwargs["hidden_size"]:
+        cfg["target_hidden_size"] = int(target_hidden)
+    if aux_layer_ids:
+        cfg["eagle_aux_hidden_state_layer_ids"] = [int(i) for i in aux_layer_ids]
+    cfg["transformer_layer_config"] = dict(layer)
+    cfg["speculators_config"] = proposal_config(model_type, info.speculative_tokens, info.verifier_name,
+                                                info.verifier_architectures)
+    cfg["dtype"] = cfg["torch_dtype"] = dtype_name(info.dtype)
+    return cfg
 
 
 def without_identity_maps(state: Mapping[str, torch.Tensor], kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:

@@ -41,6 +41,7 @@ from tiny_speculators.models.layers import (
     add_output_layers,
     check_layer_type,
     decoder_stack,
+    fuse_states,
     init_weights,
     restore_after_load,
     to_target_ids,
@@ -118,12 +119,7 @@ class Eagle3Draft(nn.Module):
 
     def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """``[B, T, num_aux*Ht]`` verifier states -> ``[B, T, H]`` (optional input_norm / fc_norm, then fc)."""
-        x = aux_hidden_states.to(self.fc.weight.dtype)
-        if self.input_norm is not None:
-            x = self.input_norm(x)
-        if self.fc_norm is not None:
-            x = torch.cat([n(c) for n, c in zip(self.fc_norm, x.chunk(self.num_aux, dim=-1), strict=True)], dim=-1)
-        return self.fc(x)
+        return fuse_states(self, aux_hidden_states)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """A step's output ``[..., H]`` (pre-norm; post-norm with ``norm_output``) -> logits ``[..., draft_vocab]``."""

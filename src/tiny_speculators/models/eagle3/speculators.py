@@ -25,17 +25,16 @@ import torch
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.family import DraftFormat, ExportInfo
-from tiny_speculators.models.files import cast_state, dtype_name, read_json
+from tiny_speculators.models.files import cast_state, read_json
 from tiny_speculators.models.shape import layer_shape_of
 from tiny_speculators.models.speculators_format import (
     CONFIG,
     LAYER_ARCHITECTURES,
-    SPECULATORS_SCHEMA_VERSION,
     check_proposal,
+    config_json,
     layer_config,
     layer_rows,
     normalize_state,
-    proposal_config,
     serve_command,
     speculative_tokens_of,
     transformer_layer_config,
@@ -63,31 +62,19 @@ def speculators_config(
     if kwargs.get("layer_type", "llama") not in LAYER_ARCHITECTURES:
         raise UserError(f"layer_type {kwargs.get('layer_type')!r} has no speculators equivalent")
     check_proposal(speculative_tokens, verifier.get("name_or_path"))
-    cfg: dict[str, Any] = {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        "speculators_version": SPECULATORS_SCHEMA_VERSION,
-        "draft_vocab_size": int(kwargs["draft_vocab_size"]),
+    if aux_layer_ids and len(aux_layer_ids) != int(kwargs.get("num_aux", 3)):
+        raise UserError(f"{len(aux_layer_ids)} aux layer ids {list(aux_layer_ids)} for a draft that fuses "
+                        f"{kwargs.get('num_aux', 3)} verifier layers")
+    own = {
         "norm_before_residual": bool(kwargs.get("norm_before_residual", False)),
         "norm_before_fc": bool(kwargs.get("norm_before_fc", False)),
         "fc_norm": bool(kwargs.get("fc_norm", False)),
         "norm_output": bool(kwargs.get("norm_output", False)),
         "embed_requires_grad": bool(kwargs.get("train_embeddings", False)),
-        "tie_word_embeddings": False,
     }
-    target_hidden = kwargs.get("target_hidden_size") or kwargs["hidden_size"]
-    if target_hidden != kwargs["hidden_size"]:
-        cfg["target_hidden_size"] = int(target_hidden)
-    if aux_layer_ids:
-        if len(aux_layer_ids) != int(kwargs.get("num_aux", 3)):
-            raise UserError(f"{len(aux_layer_ids)} aux layer ids {list(aux_layer_ids)} for a draft that fuses "
-                            f"{kwargs.get('num_aux', 3)} verifier layers")
-        cfg["eagle_aux_hidden_state_layer_ids"] = [int(i) for i in aux_layer_ids]
-    cfg["transformer_layer_config"] = transformer_layer_config(kwargs)
-    cfg["speculators_config"] = proposal_config("eagle3", speculative_tokens, str(verifier["name_or_path"]),
-                                                verifier.get("architectures"))
-    cfg["dtype"] = cfg["torch_dtype"] = dtype_name(dtype)
-    return cfg
+    info = ExportInfo(str(verifier["name_or_path"]), verifier.get("architectures"), speculative_tokens, dtype)
+    return config_json("eagle3", "Eagle3Speculator", kwargs, own, layer=transformer_layer_config(kwargs),
+                       aux_layer_ids=aux_layer_ids, info=info)
 
 
 def export_state(state: Mapping[str, torch.Tensor], kwargs: Mapping[str, Any],

@@ -40,6 +40,7 @@ from tiny_speculators.models.layers import (
     check_layer_type,
     check_mask_token,
     decoder_stack,
+    fuse_states,
     init_weights,
     restore_after_load,
     to_target_ids,
@@ -90,6 +91,7 @@ class PEagleDraft(nn.Module):
         self.target_hidden_size, self.mask_token_id = s.target_hidden_size, mask_token_id
 
         add_input_layers(self, norm_before_fc=norm_before_fc)  # embed_tokens, input_norm
+        self.fc_norm = None  # vLLM's P-EAGLE reads no fc_norm
         self.fc = nn.Linear(s.num_aux * s.target_hidden_size, s.hidden_size, bias=False)
         self.mask_hidden = nn.Parameter(torch.zeros(1, 1, s.num_aux * s.target_hidden_size))  # pre-fc, like aux states
         self.layers = decoder_stack(self.kwargs, num_layers)
@@ -107,11 +109,8 @@ class PEagleDraft(nn.Module):
         restore_after_load(self, device)
 
     def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[..., num_aux*Ht]`` verifier states (or the mask hidden state) -> ``[..., H]``."""
-        x = aux_hidden_states.to(self.fc.weight.dtype)
-        if self.input_norm is not None:
-            x = self.input_norm(x)
-        return self.fc(x)
+        """``[..., num_aux*Ht]`` verifier states (or the mask hidden state) -> ``[..., H]`` (input_norm?, fc)."""
+        return fuse_states(self, aux_hidden_states)
 
     def mask_state(self) -> torch.Tensor:
         """The hidden state of every mask slot, ``fc(input_norm?(mask_hidden))``: ``[H]``."""
