@@ -42,8 +42,8 @@ from tiny_speculators.models.ttt import positions_of
 KEEP = "_dflash_anchors"  # batch key: (anchors [B, N], valid [B, N]) set by loss_counts
 METRIC_KEYS = ("loss_sum", "wloss_sum", "count", "correct", "cond_correct", "cond_count")
 
-__all__ = ["DFlashObjective", "batch_anchors", "block_hidden", "block_inputs", "candidate_anchors", "documents",
-           "sample_anchors", "slot_weights", "verifier_targets"]
+__all__ = ["DFlashObjective", "at_anchors", "batch_anchors", "block_hidden", "block_inputs", "candidate_anchors",
+           "documents", "sample_anchors", "slot_weights", "verifier_targets"]
 
 
 def documents(batch: Mapping[str, Any]) -> torch.Tensor:
@@ -105,6 +105,12 @@ def batch_anchors(batch: dict[str, Any], key: str, block_size: int, per_document
     if training:
         batch[key] = out
     return out
+
+
+def at_anchors(per_position: torch.Tensor, anchors: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """``[B, T, X]`` per-position flags -> ``[B, N, X]`` at the sampled ``anchors [B, N]`` (False where not ``ok``)."""
+    index = anchors[:, :, None].expand(-1, -1, per_position.shape[2])
+    return per_position.gather(1, index) & ok[:, :, None]
 
 
 def block_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, doc: torch.Tensor, anchors: torch.Tensor,
@@ -190,7 +196,7 @@ class DFlashObjective(nn.Module):
 
     def _slot_valid(self, batch: dict[str, Any], anchors: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
         v = slot_targets_valid(batch["loss_mask"], documents(batch), self.block_size)  # (B, T, L)
-        return v.gather(1, anchors[:, :, None].expand(-1, -1, self.block_size)) & ok[:, :, None]  # (B, N, L)
+        return at_anchors(v, anchors, ok)  # (B, N, L)
 
     def loss_counts(self, batch: dict[str, Any]) -> torch.Tensor:
         """``[L-1]`` valid mask slots per slot index (samples the anchors for the coming forward)."""
