@@ -78,7 +78,7 @@ Right padding is fine (give padded positions loss_mask 0); left padding is not.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -94,10 +94,10 @@ from tiny_speculators.models.attention import (
     ttt_mask_dense,
 )
 from tiny_speculators.models.losses import DenseTargets, LossSpec, TopKTargets, chunked_step_losses
-from tiny_speculators.models.metrics import METRIC_KEYS, chain_metrics, summarize_metrics
+from tiny_speculators.models.metrics import METRIC_KEYS, chain_metrics, summarize, summarize_metrics
 
-__all__ = ["METRIC_KEYS", "TTTOutput", "positions_from_documents", "positions_of", "rollout", "step_counts",
-           "summarize_metrics", "ttt_step", "valid_anchors"]
+__all__ = ["METRIC_KEYS", "TTTObjective", "TTTOutput", "positions_from_documents", "positions_of", "rollout",
+           "step_counts", "summarize_metrics", "ttt_step", "valid_anchors"]
 
 
 @dataclass
@@ -250,3 +250,46 @@ def ttt_step(
 def step_counts(batch: dict[str, Any], steps: int) -> torch.Tensor:
     """``[K]`` number of anchors with a target at each TTT step (the loss normalizer's local part)."""
     return valid_anchors(batch["loss_mask"], batch.get("document_ids"), steps).sum(dim=(1, 2))
+
+
+class TTTObjective(nn.Module):
+    """What every objective trained by the TTT rollout shares: the draft (the only registered submodule), the frozen
+    verifier head outside the module tree, the rollout call, and per-step counts, stats and summary. A family's
+    ``forward`` says what the rollout reads (:meth:`rollout`).
+
+    DDP and FSDP2 hook a module's ``forward``; ``ttt_step`` calls ``draft.fuse``, ``draft(...)`` K times and
+    ``draft.compute_logits`` per chunk (also during backward recomputation), so the wrapper must be around all of it.
+    Loss groups are the K steps: ``loss_counts`` gives the local number of anchors with a target per step, the loop
+    sums them over the optimizer step and passes them back as ``loss_normalizer``.
+    """
+
+    def __init__(self, draft: nn.Module, target_head: nn.Module, steps: int, decay: float, attention: str,
+                 chunk_size: int = 1024, checkpoint: bool = True, loss: LossSpec | None = None) -> None:
+        super().__init__()
+        self.draft = draft
+        self.loss = (loss or LossSpec()).resolved("kl")  # the loss terms and position weights (models/losses.py)
+        self._head = (target_head,)  # a tuple hides it from parameters()/state_dict()/DDP broadcast
+        self.steps, self.decay, self.attention, self.chunk_size = steps, decay, attention, chunk_size
+        self.checkpoint = checkpoint  # recompute draft logits blocks in backward (ttt_step's memory saver)
+
+    def rollout(self, batch: dict[str, Any], loss_normalizer: torch.Tensor | None, aux_hidden_states: torch.Tensor,
+                **targets: Any) -> TTTOutput:
+        """:func:`ttt_step` on ``batch`` with the draft reading ``aux_hidden_states`` and the verifier's ``targets``
+        (``last_hidden_state`` + ``target_head``, or ``target_topk_ids`` + ``target_topk_logits``)."""
+        return ttt_step(
+            self.draft, input_ids=batch["input_ids"], aux_hidden_states=aux_hidden_states,
+            loss_mask=batch["loss_mask"], **targets,
+            position_ids=batch["position_ids"], document_ids=batch.get("document_ids"), steps=self.steps,
+            decay=self.decay, attention=self.attention, chunk_size=self.chunk_size, checkpoint=self.checkpoint,
+            loss_normalizer=loss_normalizer, loss=self.loss,
+        )
+
+    def loss_counts(self, batch: dict[str, Any]) -> torch.Tensor:
+        """``[K]`` number of anchors with a target at each TTT step (the loss normalizer's local part)."""
+        return step_counts(batch, self.steps)
+
+    def new_stats(self, device: torch.device) -> dict[str, torch.Tensor]:
+        return {key: torch.zeros(self.steps, dtype=torch.float64, device=device) for key in METRIC_KEYS}
+
+    def summarize(self, stats: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        return summarize(stats, self.decay)
