@@ -98,7 +98,9 @@ class DraftShape:
         return cls(**{**verifier_shape(verifier_config, draft_vocab_size), **fields})
 
 
-LAYER_SHAPE = tuple(f.name for f in dataclasses.fields(DraftShape))[:9]  # a decoder layer's shape: vocab .. RoPE
+# The fields that are a decoder layer's shape (what a draft that fuses nothing, like MTP's layer, takes)
+LAYER_SHAPE = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "intermediate_size", "rms_norm_eps", "rope_parameters", "max_position_embeddings")
 
 
 def rope_parameters_of(cfg: Any) -> dict[str, Any]:
