@@ -37,8 +37,9 @@ def evaluate_on(draft_dir: Path, verifier: str, hs: Path, val_idx: list[int], st
     """Per-step accuracy / expected acceptance of ``draft_dir`` on samples ``val_idx`` of extraction ``hs``."""
     import torch
 
-    from tiny_speculators.models.eagle3.objective import STAT_KEYS, TTTModule, summarize
+    from tiny_speculators.models.eagle3.objective import TTTModule
     from tiny_speculators.models.importing import load_draft
+    from tiny_speculators.models.metrics import METRIC_KEYS, summarize
     from tiny_speculators.train.sources import OfflineSource
     from tiny_speculators.verifier.head import load_verifier_head
 
@@ -49,7 +50,7 @@ def evaluate_on(draft_dir: Path, verifier: str, hs: Path, val_idx: list[int], st
     with torch.no_grad():
         for i in range(0, len(val_idx), 8):
             m = module(source.batch(val_idx[i:i + 8], torch.device("cpu"), pack=False)).metrics
-            sums = m if sums is None else {k: sums[k] + m[k] for k in STAT_KEYS}
+            sums = m if sums is None else {k: sums[k] + m[k] for k in METRIC_KEYS}
     return summarize(sums, 1.0)
 
 

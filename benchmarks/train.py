@@ -36,8 +36,9 @@ def rss_mb() -> float:
 def run_one(name: str, batch: int, seq: int, steps: int, ttt_steps: int, draft_vocab: int) -> dict:
     import torch
 
-    from tiny_speculators.models.eagle3.builder import build_draft, draft_kwargs_from_verifier
-    from tiny_speculators.models.eagle3.objective import TTTModule, step_counts
+    from tiny_speculators.models.eagle3.family import build_draft, draft_kwargs_from_verifier
+    from tiny_speculators.models.eagle3.objective import TTTModule
+    from tiny_speculators.models.ttt import step_counts
     from tiny_speculators.train.schedule import build_optimizer
     from tiny_speculators.verifier.capture import capture_hidden_states, default_aux_layer_ids
     from tiny_speculators.verifier.head import head_from_model

@@ -48,8 +48,9 @@ def self_answers(n: int, max_new_tokens: int, out: Path) -> Path:
 def evaluate_at(draft_dir: Path, hs: Path, val_idx: list[int], steps: int) -> dict:
     import torch
 
-    from tiny_speculators.models.eagle3.objective import STAT_KEYS, TTTModule, summarize
+    from tiny_speculators.models.eagle3.objective import TTTModule
     from tiny_speculators.models.importing import load_draft
+    from tiny_speculators.models.metrics import METRIC_KEYS, summarize
     from tiny_speculators.train.sources import OfflineSource
     from tiny_speculators.verifier.head import load_verifier_head
 
@@ -62,7 +63,7 @@ def evaluate_at(draft_dir: Path, hs: Path, val_idx: list[int], steps: int) -> di
         for i in range(0, len(val_idx), 4):
             batch = src.batch(val_idx[i:i + 4], torch.device("cpu"), pack=False)
             m = module(batch).metrics
-            sums = m if sums is None else {k: sums[k] + m[k] for k in STAT_KEYS}
+            sums = m if sums is None else {k: sums[k] + m[k] for k in METRIC_KEYS}
     return summarize(sums, 1.0)
 
 

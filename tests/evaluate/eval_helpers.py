@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tiny_speculators.models.eagle3.builder import build_draft, draft_kwargs_from_verifier
+from tiny_speculators.models.eagle3.family import build_draft, draft_kwargs_from_verifier
 from tiny_speculators.models.eagle3.proposer import Eagle3Proposer
 
 
@@ -55,8 +55,8 @@ def self_distilled_draft(model, aux_layer_ids, *, num_seqs=16, prompt_len=8, new
 
     Returns a dict: ``draft``, ``seqs`` [B, T] (prompt + greedy continuation), ``aux`` [B, T, n_aux*H],
     ``prompt_len`` and ``metrics`` (teacher-forced TTT metrics of the final draft on that data)."""
-    from tiny_speculators.models.eagle3.loss import summarize_metrics
-    from tiny_speculators.models.eagle3.ttt import ttt_step
+    from tiny_speculators.models.metrics import summarize_metrics
+    from tiny_speculators.models.ttt import ttt_step
     from tiny_speculators.verifier.capture import capture_hidden_states
     from tiny_speculators.verifier.modules import find_parts
 

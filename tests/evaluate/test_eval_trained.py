@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from tiny_speculators.evaluate.decoding import TreeParams, speculative_generate
 from tiny_speculators.evaluate.target import TargetRunner
 from tiny_speculators.models.eagle3.proposer import Eagle3Proposer
-from tiny_speculators.models.eagle3.ttt import rollout
+from tiny_speculators.models.ttt import rollout
 
 AUX = [2, 4, 5]
 K = 3

@@ -16,7 +16,7 @@ def make_checkpoint(path: Path, verifier_dir: Path, *, draft_vocab: int = 512, s
     from transformers import AutoConfig
 
     from tiny_speculators.models.checkpoint import save_draft
-    from tiny_speculators.models.eagle3 import build_draft, draft_kwargs_from_verifier
+    from tiny_speculators.models.eagle3.family import build_draft, draft_kwargs_from_verifier
     from tiny_speculators.verifier.describe import verifier_embeddings
 
     config = AutoConfig.from_pretrained(verifier_dir)
@@ -51,7 +51,7 @@ def fixed_batch(kwargs: dict, seed: int = 1, batch: int = 2, length: int = 7):
 
 def draft_logits(draft, batch) -> torch.Tensor:
     """Two draft steps (fused verifier states, then the draft's own output fed back): exercises every weight."""
-    from tiny_speculators.models.eagle3 import KVCache
+    from tiny_speculators.models.attention import KVCache
 
     ids, aux, positions = batch
     cache = KVCache()

@@ -191,8 +191,8 @@ def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tiny_speculators.models.checkpoint import save_draft
-    from tiny_speculators.models.eagle3 import build_draft, draft_kwargs_from_verifier
-    from tiny_speculators.models.eagle3.ttt import ttt_step
+    from tiny_speculators.models.eagle3.family import build_draft, draft_kwargs_from_verifier
+    from tiny_speculators.models.ttt import ttt_step
     from tiny_speculators.verifier.capture import capture_hidden_states
     from tiny_speculators.verifier.modules import find_parts
 

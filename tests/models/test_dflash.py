@@ -134,7 +134,7 @@ def _batch(b=2, t=16, seed=0, packed=False):
 def test_training_attention_equals_inference(packed):
     """Each training block (anchor a) equals the inference forward of vLLM's DFlash proposer with the context
     = the verified positions of a's document before a, and the block [x_a, mask...] at a's positions."""
-    from tiny_speculators.models.eagle3.ttt import positions_from_documents
+    from tiny_speculators.models.ttt import positions_from_documents
 
     draft = tiny_dflash(num_layers=2, block_size=4)
     ids, aux, mask, doc = _batch(packed=packed)

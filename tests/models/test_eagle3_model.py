@@ -10,13 +10,10 @@ import torch
 from draft_fixtures import DRAFT_VOCAB, HIDDEN, VOCAB, fixed_init, tiny_kwargs, tiny_maps
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.models.attention import KVCache
 from tiny_speculators.models.checkpoint import save_draft
-from tiny_speculators.models.eagle3 import (
-    Eagle3Draft,
-    KVCache,
-    build_draft,
-    draft_kwargs_from_verifier,
-)
+from tiny_speculators.models.eagle3 import Eagle3Draft
+from tiny_speculators.models.eagle3.family import build_draft, draft_kwargs_from_verifier
 from tiny_speculators.models.importing import load_draft
 
 

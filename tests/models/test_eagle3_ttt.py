@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from draft_fixtures import DRAFT_VOCAB, HIDDEN, VOCAB, fixed_init, tiny_kwargs
 
-from tiny_speculators.models.eagle3 import Eagle3Draft, KVCache
-from tiny_speculators.models.eagle3.attention import flex_available, ttt_mask_dense, ttt_mask_mod
-from tiny_speculators.models.eagle3.ttt import (
+from tiny_speculators.models.attention import KVCache, flex_available, ttt_mask_dense, ttt_mask_mod
+from tiny_speculators.models.eagle3 import Eagle3Draft
+from tiny_speculators.models.ttt import (
     positions_from_documents,
     rollout,
     summarize_metrics,
@@ -64,7 +64,7 @@ def test_flex_mask_mod_equals_dense_mask():
 
 @pytest.mark.parametrize("step", [0, 1, 3])
 def test_document_by_document_attention_equals_the_dense_packed_mask(step):
-    from tiny_speculators.models.eagle3.attention import attend, packed_ttt_mask
+    from tiny_speculators.models.attention import attend, packed_ttt_mask
 
     g = torch.Generator().manual_seed(step)
     doc = torch.tensor([[0] * 5 + [1] * 9 + [2] * 1 + [3] * 7, [0] * 12 + [1] * 10])  # B=2, T=22
@@ -235,7 +235,7 @@ def test_topk_targets_with_every_token_equal_the_full_logits(tiny_draft):
 def test_topk_targets_renormalize_on_the_draft_tokens_they_hold(tiny_draft):
     """Row 0: its top-3 holds two draft tokens -> their renormalized probabilities; the argmax (a non-draft
     token) stays the full-vocab argmax. Row 1: no draft token in its top-3 -> no distribution (all -inf)."""
-    from tiny_speculators.models.eagle3.loss import DenseTargets, TopKTargets
+    from tiny_speculators.models.losses import DenseTargets, TopKTargets
 
     draft_cols = torch.arange(DRAFT_VOCAB) + tiny_draft.d2t
     outside = sorted(set(range(VOCAB)) - set(draft_cols.tolist()))

@@ -16,7 +16,15 @@ import torch
 from tiny_speculators.errors import UserError
 from tiny_speculators.models import FAMILIES, family_of, get_family
 from tiny_speculators.models.checkpoint import save_draft
-from tiny_speculators.models.family import BuildInputs, ExportInfo, Objective, Proposer, parse_options
+from tiny_speculators.models.family import (
+    DRAFT_KWARGS,
+    BuildInputs,
+    DraftModel,
+    ExportInfo,
+    Objective,
+    Proposer,
+    parse_options,
+)
 from tiny_speculators.models.importing import import_draft, load_draft
 
 AUX = [2, 4, 5]
@@ -76,6 +84,7 @@ def test_family_contract(name, verifiers, tmp_path):
     torch.manual_seed(0)
     draft = family.build(_inputs(head, AUX, tiny_llama_dir), options)
     assert family_of(draft) is family and draft.kwargs["aux_layer_ids"] == aux
+    assert isinstance(draft, DraftModel) and set(DRAFT_KWARGS) <= set(draft.kwargs)  # what the stages read
 
     # save -> load: same weights, same config
     save_draft(tmp_path / "ckpt", draft, {"verifier": {"name_or_path": str(tiny_llama_dir), "architectures": [],

@@ -17,7 +17,7 @@ import torch
 from torch.nn import functional as F
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.model import KVCache
+from tiny_speculators.models.attention import KVCache
 from tiny_speculators.models.mtp.model import MTPDraft
 
 KW = dict(vocab_size=40, hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -98,7 +98,7 @@ def test_forward_matches_vllm_equations_in_float64_and_fixed_numbers():
 def test_training_rollout_equals_chained_inference():
     """Step k of the K-step rollout at anchor t == vLLM's chain: prefill the verified slots, then feed the layer's
     own output with the next token at the next position (teacher-forced tokens)."""
-    from tiny_speculators.models.eagle3.ttt import rollout
+    from tiny_speculators.models.ttt import rollout
 
     draft = fixed_mtp().eval()
     g = torch.Generator().manual_seed(1)
@@ -143,8 +143,8 @@ def test_proposer_chains_the_one_layer():
 
 
 def test_objective_weights_are_normalized_and_topk_batches_are_refused():
-    from tiny_speculators.models.eagle3.ttt import ttt_step
     from tiny_speculators.models.mtp.objective import MTPObjective
+    from tiny_speculators.models.ttt import ttt_step
 
     draft = fixed_mtp()
     head = torch.nn.Linear(KW["hidden_size"], KW["vocab_size"], bias=False)

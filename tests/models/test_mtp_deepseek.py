@@ -18,7 +18,7 @@ import torch
 from torch.nn import functional as F
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.model import KVCache
+from tiny_speculators.models.attention import KVCache
 from tiny_speculators.models.mtp.model import MTPDraft
 
 FIELDS = dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
@@ -141,7 +141,7 @@ def test_forward_matches_vllm_equations_in_float64_and_fixed_numbers(dense):
 
 
 def test_training_rollout_equals_chained_inference():
-    from tiny_speculators.models.eagle3.ttt import rollout
+    from tiny_speculators.models.ttt import rollout
 
     draft = fixed_deepseek().eval()
     g = torch.Generator().manual_seed(1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from draft_fixtures import DRAFT_VOCAB, VOCAB, fixed_init, ref_rms, ref_rope, tiny_kwargs
 
-from tiny_speculators.models.eagle3.model import KVCache
+from tiny_speculators.models.attention import KVCache
 from tiny_speculators.models.peagle.model import PEagleDraft
 from tiny_speculators.models.peagle.objective import PEagleObjective, all_anchors, cod_sample, rollout
 
@@ -117,7 +117,7 @@ def test_training_attention_equals_inference(packed):
     draft = tiny_peagle(num_layers=2)
     ids, aux, mask, doc = _batch(packed=packed)
     b, t = ids.shape
-    from tiny_speculators.models.eagle3.ttt import positions_from_documents, valid_anchors
+    from tiny_speculators.models.ttt import positions_from_documents, valid_anchors
 
     pos = positions_from_documents(doc) if doc is not None else torch.arange(t).expand(b, t)
     valid = valid_anchors(mask, doc, 4).reshape(4, b * t)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from tiny_speculators.models.eagle3.objective import TTTModule, step_counts
+from tiny_speculators.models.eagle3.objective import TTTModule
+from tiny_speculators.models.ttt import step_counts
 
 
 def test_packed_equals_padded(tiny_inputs):
     from tiny_speculators.data.vocab import load_vocab
-    from tiny_speculators.models.eagle3.builder import build_draft, draft_kwargs_from_verifier
+    from tiny_speculators.models.eagle3.family import build_draft, draft_kwargs_from_verifier
     from tiny_speculators.train.sources import OfflineSource
     from tiny_speculators.verifier.head import load_verifier_head
 

@@ -1,6 +1,13 @@
 """Draft model families. Each algorithm is one sub-package (``eagle3/``, ``peagle/``, ``dflash/``, ``dspark/``,
-``mtp/``) with its modules, builder, objective, proposer and formats; :data:`FAMILIES` is the one table the
-stages dispatch through (what a family provides: ``family.py``).
+``mtp/``) with the same files for the same roles: ``model.py``, ``family.py`` (options, build, table entry),
+``objective.py``, ``proposer.py`` and its formats (``speculators.py``; EAGLE-3 adds ``sglang.py``, MTP writes
+``stitched.py``). :data:`FAMILIES` is the one table the stages dispatch through (what a family provides, and what
+they use of a draft: ``family.py``).
+
+A family folder imports the family-neutral parts directly under ``models/`` (``layers.py``, ``attention.py``,
+``shape.py``, ``ttt.py``, ``metrics.py``, ``losses.py``, ``chain.py``, ``speculators_format.py`` ...), never another
+family's folder, with one exception by design: DSpark builds on DFlash (``dspark/`` subclasses its draft, reuses its
+block objective, proposer and speculators format, and warm-starts from DFlash drafts).
 
     from tiny_speculators.models import FAMILIES, get_family
     get_family("eagle3").options()          # Eagle3Options(ttt_steps=3, ...)

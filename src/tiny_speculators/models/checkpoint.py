@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from safetensors.torch import save_file
-from torch import nn
 
 from tiny_speculators.atomic import atomic_write
 from tiny_speculators.errors import UserError
+from tiny_speculators.models.family import DraftModel
 
 WEIGHTS = "model.safetensors"
 CONFIG = "draft_config.json"
@@ -24,7 +24,7 @@ CONFIG = "draft_config.json"
 __all__ = ["CONFIG", "WEIGHTS", "save_draft"]
 
 
-def save_draft(directory: str | Path, draft: nn.Module, meta: dict[str, Any] | None = None) -> Path:
+def save_draft(directory: str | Path, draft: DraftModel, meta: dict[str, Any] | None = None) -> Path:
     """Write ``model.safetensors`` and ``draft_config.json`` into ``directory`` (each atomically).
 
     ``meta`` is merged into the config; callers pass at least ``verifier``

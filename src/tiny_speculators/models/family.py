@@ -5,7 +5,8 @@ A family is a frozen :class:`DraftFamily` of plain functions and types, listed i
 ``models/__init__.py``. ``train``, ``export``, ``evaluate`` and ``pipeline`` only ever go through it:
 
 * **model**: the ``nn.Module`` class, rebuilt from its ``kwargs`` (which include the verifier layers it
-  reads, ``aux_layer_ids``); saved as ``draft_config.json`` + safetensors by ``models/checkpoint.py``.
+  reads, ``aux_layer_ids``); saved as ``draft_config.json`` + safetensors by ``models/checkpoint.py``. What the
+  stages use of a draft is :class:`DraftModel`.
 * **options**: a frozen dataclass of the family's own training options (``train: {algorithm: peagle,
   peagle: {...}}`` in YAML, ``--peagle-<option>`` on the command line).
 * **build**: a fresh draft from :class:`BuildInputs` (verifier config, vocab maps, embeddings) + options.
@@ -37,10 +38,33 @@ from torch import nn
 from tiny_speculators.errors import UserError
 from tiny_speculators.sampling import SamplingParams
 
-__all__ = ["DEFAULT_SPECULATIVE_TOKENS", "BuildInputs", "ConfidenceProposer", "DraftFamily", "DraftFormat", "DraftTree",
-           "ExportInfo", "Objective", "Proposer", "StepOutput", "TreeParams", "mask_token_of", "parse_options"]
+__all__ = ["DEFAULT_SPECULATIVE_TOKENS", "DRAFT_KWARGS", "BuildInputs", "ConfidenceProposer", "DraftFamily",
+           "DraftFormat", "DraftModel", "DraftTree", "ExportInfo", "Objective", "Proposer", "StepOutput", "TreeParams",
+           "mask_token_of", "parse_options", "resolve_layer_type"]
 
 DEFAULT_SPECULATIVE_TOKENS = 3  # k when neither the user, the draft's record nor its training says otherwise
+
+
+DRAFT_KWARGS = ("vocab_size", "hidden_size", "aux_layer_ids")  # the draft kwargs every stage may read
+
+
+@runtime_checkable
+class DraftModel(Protocol):
+    """What the stages rely on in a family's draft, an ``nn.Module`` that ``family.model(**draft.kwargs)`` rebuilds.
+
+    * ``kwargs``: its keyword arguments, saved as ``draft_config.json``'s ``kwargs``; every family's have
+      :data:`DRAFT_KWARGS`: ``vocab_size`` and ``hidden_size`` (checked against the verifier) and ``aux_layer_ids``
+      (the verifier layers it reads; None when not recorded). ``hidden_size`` is the verifier's unless the kwargs
+      also have ``target_hidden_size``.
+    * ``after_load(device)``: called once weights were assigned into a meta-device build (rebuild non-persistent
+      buffers such as RoPE's, re-freeze the weights it shares with the verifier).
+    * ``d2t`` (optional, a buffer): ``(Vd,)`` draft id -> target id offset, in drafts with a vocabulary of their own;
+      train checks an ``--init-from`` draft's against the run's vocabulary.
+    """
+
+    kwargs: dict[str, Any]
+
+    def after_load(self, device: str | torch.device) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -69,6 +93,13 @@ def mask_token_of(requested: int | None, verifier_config: Any) -> int:
     return 0
 
 
+def resolve_layer_type(layer_type: str, verifier_config: Any) -> str:
+    """A draft option ``layer_type``: ``auto`` is qwen3 for a Qwen3 verifier, else llama."""
+    if layer_type != "auto":
+        return layer_type
+    return "qwen3" if str(getattr(verifier_config, "model_type", "")).startswith("qwen3") else "llama"
+
+
 @dataclass
 class StepOutput:
     loss: torch.Tensor  # scalar, differentiable
@@ -80,7 +111,7 @@ class Objective(Protocol):
     """The training forward of a family: an ``nn.Module`` whose only registered submodule is the draft
     (DDP/FSDP wrap it), holding the frozen verifier head outside its parameter tree."""
 
-    draft: nn.Module
+    draft: DraftModel
 
     def forward(self, batch: dict[str, Any], loss_normalizer: torch.Tensor | None = None) -> StepOutput: ...
 
@@ -177,7 +208,7 @@ class DraftFormat:
     """
 
     name: str
-    write: Callable[[nn.Module, ExportInfo], tuple[dict[str, Any], dict[str, torch.Tensor]]]
+    write: Callable[[DraftModel, ExportInfo], tuple[dict[str, Any], dict[str, torch.Tensor]]]
     detect: Callable[[Mapping[str, Any]], bool]
     read: Callable[[Path, Mapping[str, Any], dict[str, torch.Tensor]],
                    tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]]
@@ -194,10 +225,10 @@ class DraftFamily:
     summary: str  # one line, for help texts and model cards
     model: type[nn.Module]  # model(**draft.kwargs) rebuilds the architecture
     options: type  # frozen dataclass of the family's training options (all fields have defaults)
-    build: Callable[[BuildInputs, Any], nn.Module]
+    build: Callable[[BuildInputs, Any], DraftModel]
     default_aux_layer_ids: Callable[[int], list[int]]
     objective: Callable[..., nn.Module]  # (draft, target_head, options, attention) -> Objective
-    proposer: Callable[[nn.Module], Proposer]
+    proposer: Callable[[DraftModel], Proposer]
     formats: tuple[DraftFormat, ...]
     speculative_tokens: Callable[[Any], int]  # the default k to serve with, from the training options
     notes: dict[str, str] = field(default_factory=dict)
@@ -206,7 +237,7 @@ class DraftFamily:
     uses_verifier_vocab: bool = False  # it predicts over the verifier's whole vocabulary: train needs no --vocab
     # drafts of other families this one starts from (train --init-from): family name -> (that draft, this run's
     # options) -> a draft of this family holding its weights
-    warm_starts: Mapping[str, Callable[[nn.Module, Any], nn.Module]] = field(default_factory=dict)
+    warm_starts: Mapping[str, Callable[[DraftModel, Any], DraftModel]] = field(default_factory=dict)
     # options that fix the architecture (also keyword arguments of ``model``): a draft started from with
     # --init-from keeps its own shape, so a run that sets one of them to another value than the draft's is refused
     shape_options: tuple[str, ...] = ()

@@ -1,4 +1,4 @@
-"""Small helpers every draft format shares: JSON reading with one-line errors, required fields, dtypes."""
+"""Small helpers every draft format shares: JSON and weight-file reading with one-line errors, required fields, dtypes."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from tiny_speculators.errors import UserError
 
-__all__ = ["cast_state", "dtype_name", "read_json", "require"]
+__all__ = ["cast_state", "dtype_name", "read_json", "read_weights", "require"]
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -42,3 +43,23 @@ def cast_state(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[st
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a HF-style folder: ``model.safetensors``, sharded safetensors, or ``pytorch_model.bin``."""
+    directory = Path(directory)
+    if (directory / "model.safetensors").is_file():
+        return load_file(str(directory / "model.safetensors"))
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        state: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(read_json(index)["weight_map"].values())):
+            state.update(load_file(str(directory / shard)))
+        return state
+    if (directory / "pytorch_model.bin").is_file():
+        state = torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        if not isinstance(state, dict):
+            raise UserError(f"{directory / 'pytorch_model.bin'} does not hold a state dict")
+        return state
+    raise UserError(f"{directory} has no weights (model.safetensors, model.safetensors.index.json or "
+                    "pytorch_model.bin)")

@@ -25,13 +25,14 @@ from tiny_speculators.errors import UserError
 from tiny_speculators.models.checkpoint import CONFIG as DRAFT_CONFIG
 from tiny_speculators.models.checkpoint import WEIGHTS
 from tiny_speculators.models.compat import check_verifier, check_vocab_maps
-from tiny_speculators.models.files import read_json
+from tiny_speculators.models.family import DraftModel
+from tiny_speculators.models.files import read_json, read_weights
 
 log = logging.getLogger(__name__)
 
 OURS = "tiny-speculators"
 
-__all__ = ["OURS", "detect_format", "import_draft", "load_draft", "materialize", "read_draft_config", "read_weights",
+__all__ = ["OURS", "detect_format", "import_draft", "load_draft", "materialize", "read_draft_config",
            "resolve_checkpoint"]
 
 
@@ -93,7 +94,7 @@ def read_draft_config(directory: str | Path) -> dict[str, Any]:
 
 
 def materialize(model_cls: type[nn.Module], kwargs: Mapping[str, Any], state: Mapping[str, torch.Tensor],
-                where: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+                where: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> DraftModel:
     """``model_cls(**kwargs)`` filled with ``state`` without random initialization (built on the meta device);
     a state that does not match the config names the missing / unexpected tensors and bad shapes."""
     with torch.device("meta"):
@@ -129,26 +130,6 @@ def load_draft(directory: str | Path, device: str | torch.device = "cpu",
     state = load_file(str(weights), device="cpu")
     draft = materialize(family.model, config["kwargs"], state, str(weights), device, dtype)
     return draft, config
-
-
-def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a HF-style folder: ``model.safetensors``, sharded safetensors, or ``pytorch_model.bin``."""
-    directory = Path(directory)
-    if (directory / "model.safetensors").is_file():
-        return load_file(str(directory / "model.safetensors"))
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        state: dict[str, torch.Tensor] = {}
-        for shard in sorted(set(read_json(index)["weight_map"].values())):
-            state.update(load_file(str(directory / shard)))
-        return state
-    if (directory / "pytorch_model.bin").is_file():
-        state = torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        if not isinstance(state, dict):
-            raise UserError(f"{directory / 'pytorch_model.bin'} does not hold a state dict")
-        return state
-    raise UserError(f"{directory} has no weights (model.safetensors, model.safetensors.index.json or "
-                    "pytorch_model.bin)")
 
 
 def _embeddings(verifier: str | None, directory: Path) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """The building blocks every draft family's layers are made of, and the constructor steps they share.
 
 Modules (names as in the speculators format, so state-dict keys are the same in every family): ``RMSNorm``,
-``Rotary`` (RoPE) and the gated SiLU ``MLP``. Constructor steps: the checks on a draft's keyword arguments, the
+``Rotary`` (RoPE), the gated SiLU ``MLP``, ``Attention`` over a :class:`~tiny_speculators.models.attention.KVCache`,
+the fused-input ``DecoderLayer`` (reads ``concat(embedding, hidden)``: EAGLE-3's layer, also P-EAGLE's first) and
+the plain pre-norm ``LlamaLayer`` that follows it. Constructor steps: the checks on a draft's keyword arguments, the
 layer shape taken from them, the output norm + ``lm_head`` + RoPE + vocabulary maps, and the weight init.
 
     python -c "import torch; from tiny_speculators.models.layers import RMSNorm, Rotary; \
@@ -10,6 +12,7 @@ cos, sin = Rotary(16, {}, 64)(torch.arange(5)[None], torch.float32); print(RMSNo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,11 +21,13 @@ import torch
 from torch import nn
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.models.attention import KVCache, attend_cached
 
 __all__ = [
-    "LAYER_FIELDS", "MLP", "DraftOutput", "RMSNorm", "Rotary", "add_output_layers",
-    "apply_rope", "check_aux_layer_ids", "check_draft_shape", "check_heads", "check_mask_token", "init_weights",
-    "layer_kwargs", "rope_or_default", "rotary_of", "to_target_logits",
+    "LAYER_FIELDS", "MLP", "Attention", "DecoderLayer", "DraftOutput", "LlamaLayer", "RMSNorm", "Rotary",
+    "add_input_layers", "add_output_layers", "apply_rope", "check_aux_layer_ids", "check_heads", "check_layer_type",
+    "check_mask_token", "decoder_stack", "fuse_states", "init_weights", "layer_kwargs", "o_proj_bias",
+    "restore_after_load", "rope_or_default", "rotary_of", "to_target_ids", "to_target_logits",
 ]
 
 # The keyword arguments every decoder layer takes from its draft's kwargs (families add their own flags)
@@ -107,6 +112,80 @@ class MLP(nn.Module):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def o_proj_bias(attention_bias: bool, layer_type: str) -> bool:
+    """vLLM: Llama's ``bias_o_proj`` is ``attention_bias``; Qwen3's o_proj never has a bias (only q/k/v do)."""
+    return attention_bias and layer_type != "qwen3"
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
+                 qk_norm: bool, eps: float, input_size: int | None = None, o_bias: bool = False) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        input_size = input_size or 2 * hidden_size  # the EAGLE-3 layer reads concat(embedding, hidden)
+        self.q_proj = nn.Linear(input_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        if qk_norm:  # Qwen3: RMSNorm over each head's dim, before RoPE
+            self.q_norm = RMSNorm(head_dim, eps)
+            self.k_norm = RMSNorm(head_dim, eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, attention_mask, cache: KVCache | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, Hq, T, D)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, D)
+        out = attend_cached(q, k, v, attention_mask, cache, scale=1.0 / math.sqrt(self.head_dim))  # (B, Hq, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, *, hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
+                 rms_norm_eps, attention_bias, layer_type, norm_before_residual) -> None:
+        super().__init__()
+        self.norm_before_residual = norm_before_residual
+        self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.hidden_norm = RMSNorm(hidden_size, rms_norm_eps)
+        self.self_attn = Attention(hidden_size, num_attention_heads, num_key_value_heads, head_dim,
+                                   attention_bias, layer_type == "qwen3", rms_norm_eps,
+                                   o_bias=o_proj_bias(attention_bias, layer_type))
+        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.mlp = MLP(hidden_size, intermediate_size)
+
+    def forward(self, embeds, hidden, cos, sin, attention_mask, cache) -> torch.Tensor:
+        e = self.input_layernorm(embeds)  # (B, T, H)
+        hn = self.hidden_norm(hidden)  # (B, T, H)
+        residual = hn if self.norm_before_residual else hidden
+        a = self.self_attn(torch.cat([e, hn], dim=-1), cos, sin, attention_mask, cache)  # (B, T, H)
+        residual = a + residual
+        return self.mlp(self.post_attention_layernorm(residual)) + residual  # pre-norm output
+
+
+class LlamaLayer(nn.Module):
+    """A plain pre-norm Llama (or Qwen3) decoder layer on the H-wide residual stream (layers 1..L-1)."""
+
+    def __init__(self, *, hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
+                 rms_norm_eps, attention_bias, layer_type) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.self_attn = Attention(hidden_size, num_attention_heads, num_key_value_heads, head_dim, attention_bias,
+                                   layer_type == "qwen3", rms_norm_eps, input_size=hidden_size,
+                                   o_bias=o_proj_bias(attention_bias, layer_type))
+        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.mlp = MLP(hidden_size, intermediate_size)
+
+    def forward(self, x, cos, sin, attention_mask, cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, cache)  # (B, T, H)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
 def check_aux_layer_ids(aux_layer_ids, num_aux: int) -> None:
     if aux_layer_ids is not None and len(aux_layer_ids) != num_aux:
         raise UserError(f"{len(aux_layer_ids)} aux layer ids {list(aux_layer_ids)} for a draft that fuses "
@@ -124,15 +203,9 @@ def check_mask_token(mask_token_id: int, vocab_size: int) -> None:
         raise UserError(f"mask_token_id {mask_token_id} is not a token id of the verifier (0..{vocab_size - 1})")
 
 
-def check_draft_shape(*, num_aux: int, aux_layer_ids, layer_type: str, hidden_act: str, num_attention_heads: int,
-                      num_key_value_heads: int) -> None:
-    """The checks a draft of fused verifier layers makes on its keyword arguments (one-line UserErrors)."""
-    check_aux_layer_ids(aux_layer_ids, num_aux)
+def check_layer_type(layer_type: str) -> None:
     if layer_type not in ("llama", "qwen3"):
         raise UserError(f"layer_type must be 'llama' or 'qwen3', got {layer_type!r}")
-    if hidden_act != "silu":
-        raise UserError(f"the draft supports hidden_act 'silu' only, got {hidden_act!r}")
-    check_heads(num_attention_heads, num_key_value_heads)
 
 
 def rope_or_default(rope_parameters: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -148,6 +221,35 @@ def layer_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 def rotary_of(kwargs: Mapping[str, Any]) -> Rotary:
     """The RoPE module a draft's kwargs describe (built anew after a meta-device load)."""
     return Rotary(kwargs["head_dim"], kwargs["rope_parameters"], kwargs["max_position_embeddings"])
+
+
+def add_input_layers(draft: nn.Module, *, norm_before_fc: bool) -> None:
+    """The start of a fused-input draft's constructor: ``embed_tokens`` (frozen unless ``train_embeddings``) and,
+    with ``norm_before_fc``, one RMSNorm ``input_norm`` over the ``num_aux * Ht`` input of its ``fc``."""
+    kw = draft.kwargs
+    draft.embed_tokens = nn.Embedding(kw["vocab_size"], kw["hidden_size"])
+    draft.embed_tokens.weight.requires_grad_(kw["train_embeddings"])
+    width = kw["num_aux"] * kw["target_hidden_size"]
+    draft.input_norm = RMSNorm(width, kw["rms_norm_eps"]) if norm_before_fc else None
+
+
+def fuse_states(draft: nn.Module, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+    """A fused-input draft's ``fuse``: ``[..., num_aux*Ht]`` verifier states -> ``[..., H]`` through its optional
+    ``input_norm`` (one norm over the whole input), optional ``fc_norm`` (one norm per aux chunk), then ``fc``."""
+    x = aux_hidden_states.to(draft.fc.weight.dtype)
+    if draft.input_norm is not None:
+        x = draft.input_norm(x)
+    if draft.fc_norm is not None:
+        x = torch.cat([n(c) for n, c in zip(draft.fc_norm, x.chunk(draft.num_aux, dim=-1), strict=True)], dim=-1)
+    return draft.fc(x)
+
+
+def decoder_stack(kwargs: Mapping[str, Any], num_layers: int) -> nn.ModuleList:
+    """Layer 0 the fused-input :class:`DecoderLayer`, then ``num_layers - 1`` plain :class:`LlamaLayer` s, shaped by a
+    draft's ``kwargs`` (with its ``layer_type`` and ``norm_before_residual``)."""
+    shape = dict(layer_kwargs(kwargs), layer_type=kwargs["layer_type"])
+    return nn.ModuleList([DecoderLayer(**shape, norm_before_residual=kwargs["norm_before_residual"]),
+                          *(LlamaLayer(**shape) for _ in range(num_layers - 1))])
 
 
 def add_output_layers(draft: nn.Module) -> None:
@@ -176,6 +278,17 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
             m.weight.normal_(0.0, std)
         elif isinstance(m, RMSNorm):
             m.weight.fill_(1.0)
+
+
+def restore_after_load(draft: nn.Module, device: str | torch.device) -> None:
+    """After weights were assigned into a meta-device build: rebuild RoPE buffers, re-freeze the embeddings."""
+    draft.rotary = rotary_of(draft.kwargs).to(device)
+    draft.embed_tokens.weight.requires_grad_(bool(draft.kwargs.get("train_embeddings", False)))
+
+
+def to_target_ids(draft: nn.Module, draft_ids: torch.Tensor) -> torch.Tensor:
+    """Draft-vocab ids -> target-vocab ids (``i + d2t[i]``)."""
+    return draft_ids + draft.d2t[draft_ids]
 
 
 def to_target_logits(draft: nn.Module, logits: torch.Tensor) -> torch.Tensor:

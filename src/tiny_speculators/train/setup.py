@@ -19,7 +19,7 @@ from torch import nn
 
 from tiny_speculators.atomic import write_json_atomic
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.family import BuildInputs, DraftFamily, options_record
+from tiny_speculators.models.family import BuildInputs, DraftFamily, DraftModel, options_record
 from tiny_speculators.train import checkpoint as C
 from tiny_speculators.train import distributed as D
 from tiny_speculators.train.loop import TrainState
@@ -211,7 +211,7 @@ def _offline_source(opts: TrainOptions, info: D.DistInfo, aux_layer_ids: list[in
     return OfflineSource(opts.hidden_states, verify=False, aux_layer_ids=aux_layer_ids)
 
 
-def _initial_draft(opts: TrainOptions, family: DraftFamily, head, aux: list[int], d2t, t2d) -> nn.Module:
+def _initial_draft(opts: TrainOptions, family: DraftFamily, head, aux: list[int], d2t, t2d) -> DraftModel:
     from tiny_speculators.verifier.describe import text_config
 
     if opts.init_from is None:
@@ -240,7 +240,7 @@ def _initial_draft(opts: TrainOptions, family: DraftFamily, head, aux: list[int]
     return draft
 
 
-def _check_options(draft: nn.Module, family: DraftFamily, options: Any, source: Path) -> None:
+def _check_options(draft: DraftModel, family: DraftFamily, options: Any, source: Path) -> None:
     """A shape option the run sets (away from its default) must be what the --init-from draft has: that draft keeps
     its own architecture, and silently training another shape than the one asked for is worse than an error. An
     option that only initializes a fresh draft has nothing to act on."""

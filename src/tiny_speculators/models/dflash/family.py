@@ -17,9 +17,9 @@ from tiny_speculators.models.dflash import speculators
 from tiny_speculators.models.dflash.model import DFlashDraft
 from tiny_speculators.models.dflash.objective import DFlashObjective, default_gamma
 from tiny_speculators.models.dflash.proposer import DFlashProposer
-from tiny_speculators.models.eagle3.builder import draft_kwargs_from_verifier
 from tiny_speculators.models.family import BuildInputs, DraftFamily, mask_token_of
 from tiny_speculators.models.losses import LossSpec
+from tiny_speculators.models.shape import DraftShape
 
 
 def check_block_options(options: Any) -> None:
@@ -75,12 +75,9 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 
 def build(inputs: BuildInputs, options: DFlashOptions) -> DFlashDraft:
     cfg = inputs.verifier_config
-    base = draft_kwargs_from_verifier(cfg, int(inputs.d2t.shape[0]), num_aux=len(inputs.aux_layer_ids),
-                                      aux_layer_ids=list(inputs.aux_layer_ids))
-    keep = ("vocab_size", "hidden_size", "target_hidden_size", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "intermediate_size", "draft_vocab_size", "num_aux", "rms_norm_eps", "rope_parameters",
-            "max_position_embeddings", "attention_bias", "hidden_act", "aux_layer_ids")
-    draft = DFlashDraft(**{k: base[k] for k in keep}, num_layers=options.num_layers, block_size=options.block_size,
+    shape = DraftShape.from_verifier(cfg, int(inputs.d2t.shape[0]), num_aux=len(inputs.aux_layer_ids),
+                                     aux_layer_ids=list(inputs.aux_layer_ids))
+    draft = DFlashDraft(**shape.fields(), num_layers=options.num_layers, block_size=options.block_size,
                         mask_token_id=mask_token_of(options.mask_token_id, cfg), causal=options.causal)
     if inputs.embed_weight is None or inputs.lm_head_weight is None:
         raise UserError("DFlash uses the verifier's embeddings and lm_head (frozen): train with --init-lm-head")

@@ -41,16 +41,21 @@ from tiny_speculators.models.layers import (
     RMSNorm,
     add_output_layers,
     apply_rope,
-    check_aux_layer_ids,
-    check_heads,
     check_mask_token,
     init_weights,
     layer_kwargs,
-    rope_or_default,
     rotary_of,
+    to_target_ids,
 )
+from tiny_speculators.models.shape import DraftShape
 
-__all__ = ["DFlashDraft", "block_attention"]
+__all__ = ["KWARGS", "DFlashDraft", "block_attention"]
+
+# The draft's kwargs in the order its checkpoints have always written them
+KWARGS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+          "draft_vocab_size", "num_layers", "block_size", "mask_token_id", "target_hidden_size", "num_aux",
+          "rms_norm_eps", "rope_parameters", "max_position_embeddings", "attention_bias", "causal", "train_embeddings",
+          "train_lm_head", "hidden_act", "aux_layer_ids")
 
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (B, Hkv, T, D), post-RoPE
 
@@ -141,71 +146,41 @@ class DFlashDraft(nn.Module):
     """DFlash draft: ``num_layers`` Qwen3 layers over [anchor, mask...] blocks, context injected as keys/values.
 
     Args:
-        vocab_size, hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
-        rms_norm_eps, rope_parameters, max_position_embeddings, attention_bias: the verifier's shapes.
-        draft_vocab_size: rows of ``lm_head`` (= vocab_size: the verifier's full head).
         causal: causal attention inside the block (vLLM's ``dflash_config.causal``); DFlash's is bidirectional.
         num_layers: draft decoder layers.
         block_size: L, the slots per block (anchor + L-1 mask slots) it was trained with.
         mask_token_id: the token id fed at mask slots (its embedding is the verifier's).
-        target_hidden_size: the verifier's hidden size Ht (default H); ``fc`` takes ``num_aux * Ht``.
         num_aux: verifier layers whose states are fused (about 5 in DFlash).
-        aux_layer_ids: those layers (ids as in extract: id i = the input of layer i).
-        train_embeddings, train_lm_head: leave the verifier's embeddings / lm_head trainable (frozen by default).
-        hidden_act: only "silu".
+        train_lm_head: leave the verifier's lm_head trainable (frozen by default, as the embeddings).
+        shape: the :class:`~tiny_speculators.models.shape.DraftShape` fields (the verifier's shapes; its
+            ``draft_vocab_size`` is usually the verifier's whole vocabulary: its full head).
     """
 
     def __init__(
         self,
         *,
-        vocab_size: int,
-        hidden_size: int,
-        num_attention_heads: int,
-        num_key_value_heads: int,
-        head_dim: int,
-        intermediate_size: int,
-        draft_vocab_size: int,
         num_layers: int = 2,
         block_size: int = 8,
         mask_token_id: int = 0,
-        target_hidden_size: int | None = None,
         num_aux: int = 5,
-        rms_norm_eps: float = 1e-6,
-        rope_parameters: dict[str, Any] | None = None,
-        max_position_embeddings: int = 4096,
-        attention_bias: bool = False,
         causal: bool = False,
-        train_embeddings: bool = False,
         train_lm_head: bool = False,
-        hidden_act: str = "silu",
-        aux_layer_ids: list[int] | None = None,
+        **shape: Any,
     ) -> None:
         super().__init__()
-        check_aux_layer_ids(aux_layer_ids, num_aux)
-        if hidden_act != "silu":
-            raise UserError(f"the DFlash draft supports hidden_act 'silu' only, got {hidden_act!r}")
+        s = DraftShape(**shape, num_aux=num_aux)
         if num_layers < 1 or block_size < 2:
             raise UserError(f"num_layers must be >= 1 and block_size >= 2 (got {num_layers}, {block_size})")
-        check_heads(num_attention_heads, num_key_value_heads)
-        check_mask_token(mask_token_id, vocab_size)
-        rope_parameters = rope_or_default(rope_parameters)
-        target_hidden_size = target_hidden_size or hidden_size
-        self.kwargs = dict(  # exactly what save_draft writes and load_draft rebuilds from
-            vocab_size=vocab_size, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
-            num_key_value_heads=num_key_value_heads, head_dim=head_dim, intermediate_size=intermediate_size,
-            draft_vocab_size=draft_vocab_size, num_layers=num_layers, block_size=block_size,
-            mask_token_id=mask_token_id, target_hidden_size=target_hidden_size, num_aux=num_aux,
-            rms_norm_eps=rms_norm_eps, rope_parameters=rope_parameters,
-            max_position_embeddings=max_position_embeddings, attention_bias=attention_bias, causal=causal,
-            train_embeddings=train_embeddings, train_lm_head=train_lm_head, hidden_act=hidden_act,
-            aux_layer_ids=None if aux_layer_ids is None else [int(i) for i in aux_layer_ids],
-        )
-        self.hidden_size, self.draft_vocab_size, self.num_aux = hidden_size, draft_vocab_size, num_aux
+        check_mask_token(mask_token_id, s.vocab_size)
+        self.kwargs = s.record(  # exactly what save_draft writes and load_draft rebuilds from
+            KWARGS, num_layers=num_layers, block_size=block_size, mask_token_id=mask_token_id, causal=causal,
+            train_lm_head=train_lm_head)
+        self.hidden_size, self.draft_vocab_size, self.num_aux = s.hidden_size, s.draft_vocab_size, s.num_aux
         self.block_size, self.mask_token_id = block_size, mask_token_id
 
-        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
-        self.fc = nn.Linear(num_aux * target_hidden_size, hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(hidden_size, rms_norm_eps)
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.fc = nn.Linear(s.num_aux * s.target_hidden_size, s.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.layers = nn.ModuleList([DFlashLayer(**layer_kwargs(self.kwargs), causal=causal)
                                      for _ in range(num_layers)])
         add_output_layers(self)  # norm, lm_head, rotary, d2t, t2d
@@ -258,5 +233,4 @@ class DFlashDraft(nn.Module):
         return x
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab ids -> target-vocab ids (``i + d2t[i]``)."""
-        return draft_ids + self.d2t[draft_ids]
+        return to_target_ids(self, draft_ids)

@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from tiny_speculators.models.dflash.model import DFlashDraft
-from tiny_speculators.models.eagle3.ttt import positions_from_documents
 from tiny_speculators.models.family import StepOutput
 from tiny_speculators.models.losses import (
     DenseTargets,
@@ -38,12 +37,13 @@ from tiny_speculators.models.losses import (
     dpace_weights,
     rowwise_losses,
 )
+from tiny_speculators.models.ttt import positions_of
 
 KEEP = "_dflash_anchors"  # batch key: (anchors [B, N], valid [B, N]) set by loss_counts
 METRIC_KEYS = ("loss_sum", "wloss_sum", "count", "correct", "cond_correct", "cond_count")
 
-__all__ = ["DFlashObjective", "batch_anchors", "block_hidden", "block_inputs", "candidate_anchors", "documents",
-           "sample_anchors", "slot_weights", "verifier_targets"]
+__all__ = ["DFlashObjective", "at_anchors", "batch_anchors", "block_hidden", "block_inputs", "candidate_anchors",
+           "documents", "sample_anchors", "slot_weights", "verifier_targets"]
 
 
 def documents(batch: Mapping[str, Any]) -> torch.Tensor:
@@ -107,6 +107,12 @@ def batch_anchors(batch: dict[str, Any], key: str, block_size: int, per_document
     return out
 
 
+def at_anchors(per_position: torch.Tensor, anchors: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """``[B, T, X]`` per-position flags -> ``[B, N, X]`` at the sampled ``anchors [B, N]`` (False where not ``ok``)."""
+    index = anchors[:, :, None].expand(-1, -1, per_position.shape[2])
+    return per_position.gather(1, index) & ok[:, :, None]
+
+
 def block_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, doc: torch.Tensor, anchors: torch.Tensor,
                  block_size: int, mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Blocks of ``anchors [B, N]``: ids and positions ``[B, N*L]`` and the context mask ``[B, N*L, T]``."""
@@ -127,12 +133,9 @@ def block_hidden(draft: DFlashDraft, batch: Mapping[str, Any], anchors: torch.Te
     """Pre-norm outputs ``[B, N, L', H]`` of the slots ``keep`` (all ``L`` by default) of every block of ``anchors
     [B, N]``, ``anchor_chunk`` anchors per forward (bounded attention memory); and the injected context."""
     ids = batch["input_ids"]
-    b, t = ids.shape
+    b = ids.shape[0]
     doc = documents(batch)
-    pos = batch.get("position_ids")
-    if pos is None:
-        pos = positions_from_documents(doc) if batch.get("document_ids") is not None else \
-            torch.arange(t, device=ids.device).expand(b, t)
+    pos = positions_of(ids, batch.get("document_ids"), batch.get("position_ids"))
     size = draft.block_size
     context = draft.context(batch["aux_hidden_states"], pos)
     hidden = []
@@ -193,7 +196,7 @@ class DFlashObjective(nn.Module):
 
     def _slot_valid(self, batch: dict[str, Any], anchors: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
         v = slot_targets_valid(batch["loss_mask"], documents(batch), self.block_size)  # (B, T, L)
-        return v.gather(1, anchors[:, :, None].expand(-1, -1, self.block_size)) & ok[:, :, None]  # (B, N, L)
+        return at_anchors(v, anchors, ok)  # (B, N, L)
 
     def loss_counts(self, batch: dict[str, Any]) -> torch.Tensor:
         """``[L-1]`` valid mask slots per slot index (samples the anchors for the coming forward)."""

@@ -27,21 +27,19 @@ from typing import Any
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.builder import decoder_fields, layer_shape_of
-from tiny_speculators.models.eagle3.speculators import (
-    SPECULATORS_SCHEMA_VERSION,
+from tiny_speculators.models.family import DraftFormat, ExportInfo
+from tiny_speculators.models.files import cast_state, read_json
+from tiny_speculators.models.shape import decoder_fields, layer_shape_of
+from tiny_speculators.models.speculators_format import (
+    CONFIG,
     check_proposal,
+    config_json,
     layer_config,
     normalize_state,
-    proposal_config,
     recorded,
     speculative_tokens_of,
     verifier_of,
 )
-from tiny_speculators.models.family import DraftFormat, ExportInfo
-from tiny_speculators.models.files import cast_state, dtype_name, read_json
-
-CONFIG = "config.json"
 
 
 def config(kwargs: Mapping[str, Any], info: ExportInfo) -> dict[str, Any]:
@@ -50,27 +48,15 @@ def config(kwargs: Mapping[str, Any], info: ExportInfo) -> dict[str, Any]:
     layer = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], **decoder_fields(kwargs),
              "num_hidden_layers": int(kwargs["num_layers"]), "mlp_bias": False,
              "rope_parameters": dict(kwargs["rope_parameters"]), "use_sliding_window": False}
-    cfg: dict[str, Any] = {
-        "architectures": ["DFlashSpeculator"],
-        "speculators_model_type": "dflash",
-        "speculators_version": SPECULATORS_SCHEMA_VERSION,
-        "draft_vocab_size": int(kwargs["draft_vocab_size"]),
+    own = {
         "block_size": int(kwargs["block_size"]),
         "mask_token_id": int(kwargs["mask_token_id"]),
         "aux_hidden_state_layer_ids": [int(i) for i in kwargs["aux_layer_ids"]],
         "sliding_window_non_causal": not bool(kwargs.get("causal", False)),
         "sample_from_anchor": False,
         "projector_type": "dflash",
-        "tie_word_embeddings": False,
     }
-    target_hidden = kwargs.get("target_hidden_size") or kwargs["hidden_size"]
-    if target_hidden != kwargs["hidden_size"]:
-        cfg["target_hidden_size"] = int(target_hidden)
-    cfg["transformer_layer_config"] = layer
-    cfg["speculators_config"] = proposal_config("dflash", info.speculative_tokens, info.verifier_name,
-                                                info.verifier_architectures)
-    cfg["dtype"] = cfg["torch_dtype"] = dtype_name(info.dtype)
-    return cfg
+    return config_json("dflash", "DFlashSpeculator", kwargs, own, layer=layer, aux_layer_ids=None, info=info)
 
 
 def write(draft, info: ExportInfo) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as grad_checkpoint
 
 from tiny_speculators.models.dflash.objective import (
+    at_anchors,
     batch_anchors,
     block_hidden,
     documents,
@@ -94,7 +95,7 @@ class DSparkObjective(nn.Module):
 
     def _valid(self, batch: dict[str, Any], anchors: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
         v = prediction_valid(batch["loss_mask"], documents(batch), self.predictions)  # (B, T, P)
-        return v.gather(1, anchors[:, :, None].expand(-1, -1, self.predictions)) & ok[:, :, None]  # (B, N, P)
+        return at_anchors(v, anchors, ok)  # (B, N, P)
 
     def loss_counts(self, batch: dict[str, Any]) -> torch.Tensor:
         """``[P]`` valid predictions per index (samples the anchors for the coming forward)."""

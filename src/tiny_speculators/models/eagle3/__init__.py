@@ -1,8 +1,8 @@
-"""EAGLE-3 draft: model (``model.py``), builder, TTT rollout (``ttt.py``, masks and kernels in ``attention.py``),
-its chunked loss + metrics (``loss.py``), the training objective (``objective.py``), the proposer the evaluator
-drives (``proposer.py``), its formats (``speculators.py``, ``sglang.py``) and its table entry (``family.py``)."""
+"""EAGLE-3 draft: model (``model.py``), the training objective over the shared TTT rollout (``objective.py``;
+``models/ttt.py``), the proposer the evaluator drives (``proposer.py``), its formats (``speculators.py``,
+``sglang.py``), the start from verifier layers (``verifier_init.py``) and its table entry with the builder
+(``family.py``)."""
 
-from tiny_speculators.models.eagle3.builder import build_draft, draft_kwargs_from_verifier
-from tiny_speculators.models.eagle3.model import Eagle3Draft, Eagle3Output, KVCache
+from tiny_speculators.models.eagle3.model import Eagle3Draft, Eagle3Output
 
-__all__ = ["Eagle3Draft", "Eagle3Output", "KVCache", "build_draft", "draft_kwargs_from_verifier"]
+__all__ = ["Eagle3Draft", "Eagle3Output"]

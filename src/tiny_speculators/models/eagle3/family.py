@@ -2,24 +2,40 @@
 
     train: {algorithm: eagle3, eagle3: {ttt_steps: 3, decay: 0.8}}       # YAML
     tiny-speculators train ... --eagle3-ttt-steps 3 --eagle3-layer-type qwen3
+
+    kwargs = draft_kwargs_from_verifier(AutoConfig.from_pretrained(path), draft_vocab_size=len(d2t))
+    draft = build_draft(kwargs, d2t, t2d, embed_weight=verifier.get_input_embeddings().weight)
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+import torch
 from torch import nn
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.models.compat import copy_verifier_weights
 from tiny_speculators.models.eagle3 import sglang, speculators
-from tiny_speculators.models.eagle3.builder import build_draft, draft_kwargs_from_verifier
 from tiny_speculators.models.eagle3.model import Eagle3Draft
 from tiny_speculators.models.eagle3.objective import TTTModule
 from tiny_speculators.models.eagle3.proposer import Eagle3Proposer
 from tiny_speculators.models.eagle3.verifier_init import init_from_verifier_layer
-from tiny_speculators.models.family import BuildInputs, DraftFamily
+from tiny_speculators.models.family import BuildInputs, DraftFamily, resolve_layer_type
 from tiny_speculators.models.losses import LossSpec
+from tiny_speculators.models.shape import verifier_shape
+from tiny_speculators.verifier.capture import default_aux_layer_ids
+
+log = logging.getLogger(__name__)
+
+_OVERRIDABLE = {
+    "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_aux", "rms_norm_eps",
+    "rope_parameters", "max_position_embeddings", "attention_bias", "layer_type", "norm_before_residual",
+    "norm_before_fc", "fc_norm", "train_embeddings", "hidden_act", "aux_layer_ids", "num_layers",
+}
 
 
 @dataclass(frozen=True)
@@ -58,10 +74,35 @@ class Eagle3Options:
             raise ValueError(f"num_layers must be at least 1, got {self.num_layers}")
 
 
-def resolve_layer_type(layer_type: str, verifier_config) -> str:
-    if layer_type != "auto":
-        return layer_type
-    return "qwen3" if str(getattr(verifier_config, "model_type", "")).startswith("qwen3") else "llama"
+def draft_kwargs_from_verifier(verifier_config: Any, draft_vocab_size: int, **overrides: Any) -> dict[str, Any]:
+    """Keyword arguments for :class:`Eagle3Draft` from a verifier's HF config (object or dict): its
+    :func:`~tiny_speculators.models.shape.verifier_shape` and EAGLE-3's defaults. ``overrides`` may change any of:
+    ``intermediate_size, num_attention_heads, num_key_value_heads, head_dim, num_aux, rms_norm_eps, rope_parameters,
+    max_position_embeddings, attention_bias, layer_type, norm_before_residual, norm_before_fc, fc_norm,
+    train_embeddings, hidden_act, aux_layer_ids, num_layers``.
+    """
+    unknown = set(overrides) - _OVERRIDABLE
+    if unknown:
+        raise UserError(f"unknown draft setting(s) {sorted(unknown)}; allowed: {sorted(_OVERRIDABLE)}")
+    kwargs = verifier_shape(verifier_config, draft_vocab_size)
+    kwargs.update(layer_type="llama", norm_before_residual=False, norm_before_fc=False, fc_norm=False)
+    kwargs.update(overrides)
+    return kwargs
+
+
+def build_draft(kwargs: Mapping[str, Any], d2t: torch.Tensor, t2d: torch.Tensor,
+                embed_weight: torch.Tensor | None = None, lm_head_weight: torch.Tensor | None = None) -> Eagle3Draft:
+    """A fresh draft with vocab maps, the verifier's embeddings copied in (frozen unless
+    ``train_embeddings``), and optionally ``lm_head`` initialized from the verifier's lm_head rows
+    selected by ``t2d`` (``lm_head_weight`` is the verifier's full ``[vocab, H]`` matrix).
+
+    Randomly initialized weights depend on the caller's torch seed.
+    """
+    draft = Eagle3Draft(**kwargs)
+    if embed_weight is None:
+        log.warning("no verifier embeddings given: the draft's embed_tokens stay random")
+    copy_verifier_weights(draft, d2t, t2d, embed_weight, lm_head_weight)
+    return draft
 
 
 def build(inputs: BuildInputs, options: Eagle3Options) -> Eagle3Draft:
@@ -87,12 +128,6 @@ def build(inputs: BuildInputs, options: Eagle3Options) -> Eagle3Draft:
                             f"{layer}..{layer + options.num_layers - 1}, but its decoder layers are 0..{n_layers - 1}")
         init_from_verifier_layer(draft, resolve_verifier(inputs.verifier_path), layer)
     return draft
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    from tiny_speculators.verifier.capture import default_aux_layer_ids as eagle3_default
-
-    return eagle3_default(num_layers)
 
 
 def objective(draft: nn.Module, target_head: nn.Module, options: Eagle3Options, attention: str,

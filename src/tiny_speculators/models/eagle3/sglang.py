@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.builder import decoder_fields, layer_shape_of
 from tiny_speculators.models.family import DraftFormat, ExportInfo
 from tiny_speculators.models.files import cast_state, dtype_name, read_json, require
+from tiny_speculators.models.shape import decoder_fields, layer_shape_of
+from tiny_speculators.models.speculators_format import layer_rows
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -174,8 +175,6 @@ def serve(verifier_name: str, folder: str, k: int) -> str:
 
 
 def card(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    from tiny_speculators.models.eagle3.speculators import layer_rows
-
     return {"title": "EAGLE-3 draft", "library": "sglang", "tags": ["eagle3"],
             "about": "A one-layer EAGLE-3 draft model", "rows": layer_rows(kwargs)}
 

@@ -31,8 +31,7 @@ import torch
 from torch import nn
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.attention import attend
-from tiny_speculators.models.eagle3.model import KVCache
+from tiny_speculators.models.attention import KVCache, attend_cached
 
 __all__ = ["FIELDS", "block_forward", "block_modules", "config_fields", "from_checkpoint", "mla", "to_checkpoint"]
 
@@ -134,17 +133,7 @@ def mla(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_m
     k = torch.cat([k_nope, k_rot.expand(b, nh, t, rope)], dim=-1)  # (B, nh, T, nope + rope)
     if vd < nope + rope:  # every attention path expects one head dim: zero-pad v, cut the output back
         v = torch.nn.functional.pad(v, (0, nope + rope - vd))
-    past = 0
-    if cache is not None:
-        past = cache.length
-        k, v = cache.append(k, v)  # (B, nh, S, D)
-    mask = attention_mask
-    if mask is None and past > 0:  # causal over cached + new keys
-        s = k.shape[2]
-        mask = torch.arange(s, device=x.device)[None, :] <= (past + torch.arange(t, device=x.device))[:, None]
-    if isinstance(mask, torch.Tensor) and mask.shape[-1] != k.shape[2]:
-        raise ValueError(f"attention_mask covers {mask.shape[-1]} keys, but there are {k.shape[2]}")
-    out = attend(q, k, v, mask, scale=attn.scaling, causal=mask is None)[..., :vd]  # (B, nh, T, vd)
+    out = attend_cached(q, k, v, attention_mask, cache, scale=attn.scaling)[..., :vd]  # (B, nh, T, vd)
     return attn.o_proj(out.transpose(1, 2).reshape(b, t, nh * vd))
 
 

@@ -39,19 +39,24 @@ import torch
 from torch import nn
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.model import Attention, KVCache
+from tiny_speculators.models.attention import KVCache
 from tiny_speculators.models.layers import (
     MLP,
+    Attention,
     DraftOutput,
     RMSNorm,
-    check_heads,
     init_weights,
-    rope_or_default,
     rotary_of,
 )
 from tiny_speculators.models.mtp import deepseek
+from tiny_speculators.models.shape import LAYER_SHAPE, DraftShape
 
-__all__ = ["LAYER_TENSORS", "MTPDraft"]
+__all__ = ["KWARGS", "LAYER_TENSORS", "MTPDraft"]
+
+# The draft's kwargs in the order its checkpoints have always written them
+KWARGS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+          "num_hidden_layers", "rms_norm_eps", "rope_parameters", "max_position_embeddings", "qkv_bias", "mtp_index",
+          "aux_layer_ids", "layout", "deepseek")
 
 # The MTP layer's own tensors, named as in MiMo's checkpoint after ``model.mtp_layers.{k}.`` (bias: qkv_bias only)
 LAYER_TENSORS = (
@@ -69,8 +74,6 @@ class MTPDraft(nn.Module):
     """A verifier's MTP layer (MiMo layout) with the verifier's frozen embedding and lm_head.
 
     Args:
-        vocab_size, hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
-        rms_norm_eps, rope_parameters, max_position_embeddings: the verifier's (the layer is one of its own).
         num_hidden_layers: the verifier's decoder layers N; the draft reads the output of layer N-1 (before the
             final norm), recorded as ``aux_layer_ids = [N]``.
         qkv_bias: biases on q/k/v (Qwen2 and MiMo: true); o_proj never has one.
@@ -78,40 +81,35 @@ class MTPDraft(nn.Module):
         aux_layer_ids: must be ``[num_hidden_layers]`` (accepted so checkpoints rebuild from their kwargs).
         layout: ``mimo`` (``model.mtp_layers.{k}``) or ``deepseek_v3`` (``model.layers.{N+k}``).
         deepseek: the verifier's DeepSeek-V3 fields (``deepseek.FIELDS``), for ``layout: deepseek_v3``.
+        shape: the decoder-layer fields of :class:`~tiny_speculators.models.shape.DraftShape` (``LAYER_SHAPE``:
+            vocabulary, attention, MLP, norm eps, RoPE), the verifier's (the layer is one of its own).
     """
 
     def __init__(
         self,
         *,
-        vocab_size: int,
-        hidden_size: int,
-        num_attention_heads: int,
-        num_key_value_heads: int,
-        head_dim: int,
-        intermediate_size: int,
         num_hidden_layers: int,
-        rms_norm_eps: float = 1e-6,
-        rope_parameters: dict[str, Any] | None = None,
-        max_position_embeddings: int = 4096,
         qkv_bias: bool = True,
         mtp_index: int = 0,
         aux_layer_ids: list[int] | None = None,
         layout: str = "mimo",
         deepseek: dict[str, Any] | None = None,
+        **shape: Any,
     ) -> None:
         super().__init__()
         if aux_layer_ids is not None and [int(i) for i in aux_layer_ids] != [num_hidden_layers]:
             raise UserError(f"an MTP layer reads the verifier's last hidden state (aux layer id {num_hidden_layers}), "
                             f"not aux layers {list(aux_layer_ids)}")
-        check_heads(num_attention_heads, num_key_value_heads)
-        rope_parameters = rope_or_default(rope_parameters)
-        self.kwargs = dict(  # exactly what save_draft writes and load_draft rebuilds from
-            vocab_size=vocab_size, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
-            num_key_value_heads=num_key_value_heads, head_dim=head_dim, intermediate_size=intermediate_size,
-            num_hidden_layers=num_hidden_layers, rms_norm_eps=rms_norm_eps, rope_parameters=rope_parameters,
-            max_position_embeddings=max_position_embeddings, qkv_bias=qkv_bias, mtp_index=mtp_index,
-            aux_layer_ids=[int(num_hidden_layers)], layout=layout, deepseek=deepseek,
-        )
+        unknown = sorted(set(shape) - set(LAYER_SHAPE))
+        if unknown:  # what DraftShape has beyond a layer's shape: a fused draft's, not this one's
+            raise TypeError(f"MTPDraft.__init__() got unexpected keyword arguments {unknown}")
+        s = DraftShape(**shape, num_aux=1)
+        self.kwargs = s.record(  # exactly what save_draft writes and load_draft rebuilds from
+            KWARGS, num_hidden_layers=num_hidden_layers, qkv_bias=qkv_bias, mtp_index=mtp_index,
+            aux_layer_ids=[int(num_hidden_layers)], layout=layout, deepseek=deepseek)
+        vocab_size, hidden_size, rms_norm_eps = s.vocab_size, s.hidden_size, s.rms_norm_eps
+        num_attention_heads, num_key_value_heads, head_dim = s.num_attention_heads, s.num_key_value_heads, s.head_dim
+        intermediate_size = s.intermediate_size
         if layout not in LAYOUTS:
             raise UserError(f"MTP layout {layout!r} is not supported (supported: {', '.join(LAYOUTS)})")
         self.layout = layout

@@ -2,7 +2,7 @@
 
 Step 1 at anchor ``t`` reads the verifier's last pre-norm state ``h_t`` and token ``x_{t+1}``; step k reads the
 layer's own output of step k-1 and ``x_{t+k}``, at position ``pos[t] + k - 1``, attending to the step-1 keys of
-its document up to ``t`` and its own chain: exactly EAGLE-3's training-time-test rollout (``eagle3/ttt.py``), so
+its document up to ``t`` and its own chain: exactly EAGLE-3's training-time-test rollout (``models/ttt.py``), so
 that rollout, its chunked KL loss to the verifier and its metrics are reused with the MTP layer as the draft.
 
 Loss (``models/losses.py``; forward KL unless the run chooses others): ``sum_k w_k * loss_k / count_k`` with
@@ -22,10 +22,9 @@ import torch
 from torch import nn
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.objective import STAT_KEYS, step_counts, summarize
-from tiny_speculators.models.eagle3.ttt import ttt_step
 from tiny_speculators.models.family import StepOutput
 from tiny_speculators.models.losses import LossSpec
+from tiny_speculators.models.ttt import TTTObjective
 
 __all__ = ["MTPObjective", "step_weights_sum"]
 
@@ -34,17 +33,13 @@ def step_weights_sum(steps: int, beta: float) -> float:
     return float(sum(beta**k for k in range(steps)))
 
 
-class MTPObjective(nn.Module):
+class MTPObjective(TTTObjective):
     """``forward(batch, loss_normalizer) -> StepOutput`` for the MTP layer (the only registered submodule)."""
 
     def __init__(self, draft: nn.Module, target_head: nn.Module, steps: int, beta: float, attention: str,
                  chunk_size: int = 1024, checkpoint: bool = True, loss: LossSpec | None = None) -> None:
-        super().__init__()
-        self.draft = draft
-        self.loss = (loss or LossSpec()).resolved("kl")
-        self._head = (target_head,)  # hidden from parameters()/state_dict()/DDP
-        self.steps, self.beta, self.attention, self.chunk_size = steps, beta, attention, chunk_size
-        self.checkpoint = checkpoint
+        super().__init__(draft, target_head, steps, beta, attention, chunk_size, checkpoint, loss)
+        self.beta = beta
         self.norm = step_weights_sum(steps, beta)
 
     def forward(self, batch: dict[str, Any], loss_normalizer: torch.Tensor | None = None) -> StepOutput:
@@ -52,24 +47,11 @@ class MTPObjective(nn.Module):
         if last is None:
             raise UserError("MTP trains on the verifier's last hidden state, which the top-k extract layouts drop: "
                             "extract with --layout full or fp8, or train --online")
-        out = ttt_step(
-            self.draft, input_ids=batch["input_ids"], aux_hidden_states=last, loss_mask=batch["loss_mask"],
-            last_hidden_state=last, target_head=self._head[0], position_ids=batch["position_ids"],
-            document_ids=batch.get("document_ids"), steps=self.steps, decay=self.beta, attention=self.attention,
-            chunk_size=self.chunk_size, checkpoint=self.checkpoint, loss_normalizer=loss_normalizer,
-            loss=self.loss,
-        )
+        out = self.rollout(batch, loss_normalizer, last, last_hidden_state=last, target_head=self._head[0])
         return StepOutput(loss=out.loss / self.norm, metrics=out.metrics)
-
-    def loss_counts(self, batch: dict[str, Any]) -> torch.Tensor:
-        """``[K]`` anchors with a target at each step (the loss normalizer's local part)."""
-        return step_counts(batch, self.steps)
-
-    def new_stats(self, device: torch.device) -> dict[str, torch.Tensor]:
-        return {key: torch.zeros(self.steps, dtype=torch.float64, device=device) for key in STAT_KEYS}
 
     def summarize(self, stats: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """``loss`` (normalized weights, as trained), ``loss_steps``, ``acc``, ``cond_acc``, ``accept_len``."""
-        out = summarize(stats, self.beta)
+        out = super().summarize(stats)
         out["loss"] = out["loss"] / self.norm
         return out

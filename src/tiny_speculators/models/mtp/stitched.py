@@ -24,12 +24,12 @@ from typing import Any
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.builder import rope_parameters_of
 from tiny_speculators.models.family import DraftFormat, ExportInfo
 from tiny_speculators.models.files import cast_state, require
 from tiny_speculators.models.mtp import deepseek
 from tiny_speculators.models.mtp.model import BIASES, LAYER_TENSORS, SHARED, MTPDraft
 from tiny_speculators.models.mtp.weights import mtp_layout, verifier_folder
+from tiny_speculators.models.shape import rope_parameters_of
 
 ARCHITECTURES = {"mimo": "MiMoForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}  # layout -> verifier class
 SKIP = ("model.safetensors.index.json", "config.json", "README.md", "summary.json")
@@ -87,8 +87,7 @@ def draft_kwargs(cfg: Mapping[str, Any], where: str, mtp_index: int = 0) -> dict
 
 
 def write(draft, info: ExportInfo) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    from tiny_speculators.models.files import read_json
-    from tiny_speculators.models.importing import read_weights
+    from tiny_speculators.models.files import read_json, read_weights
 
     if info.speculative_tokens < 1:
         raise UserError(f"speculative_tokens must be at least 1, got {info.speculative_tokens}")

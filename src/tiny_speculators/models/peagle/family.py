@@ -13,14 +13,14 @@ from torch import nn
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.compat import copy_verifier_weights
-from tiny_speculators.models.eagle3.builder import draft_kwargs_from_verifier
-from tiny_speculators.models.eagle3.family import default_aux_layer_ids, resolve_layer_type
-from tiny_speculators.models.family import BuildInputs, DraftFamily, mask_token_of
+from tiny_speculators.models.family import BuildInputs, DraftFamily, mask_token_of, resolve_layer_type
 from tiny_speculators.models.losses import LossSpec
 from tiny_speculators.models.peagle import speculators
 from tiny_speculators.models.peagle.model import PEagleDraft
 from tiny_speculators.models.peagle.objective import PEagleObjective
 from tiny_speculators.models.peagle.proposer import PEagleProposer
+from tiny_speculators.models.shape import DraftShape
+from tiny_speculators.verifier.capture import default_aux_layer_ids
 
 
 @dataclass(frozen=True)
@@ -62,13 +62,11 @@ class PEagleOptions:
 
 def build(inputs: BuildInputs, options: PEagleOptions) -> PEagleDraft:
     cfg = inputs.verifier_config
-    base = draft_kwargs_from_verifier(cfg, int(inputs.d2t.shape[0]), num_aux=len(inputs.aux_layer_ids),
-                                      aux_layer_ids=list(inputs.aux_layer_ids),
-                                      layer_type=resolve_layer_type(options.layer_type, cfg),
-                                      norm_before_residual=options.norm_before_residual)
-    kwargs = {k: v for k, v in base.items() if k != "fc_norm"}
-    draft = PEagleDraft(**kwargs, num_layers=options.num_layers, num_depths=options.depths,
-                        mask_token_id=mask_token_of(options.mask_token_id, cfg))
+    shape = DraftShape.from_verifier(cfg, int(inputs.d2t.shape[0]), num_aux=len(inputs.aux_layer_ids),
+                                     aux_layer_ids=list(inputs.aux_layer_ids))
+    draft = PEagleDraft(**shape.fields(), layer_type=resolve_layer_type(options.layer_type, cfg),
+                        norm_before_residual=options.norm_before_residual, num_layers=options.num_layers,
+                        num_depths=options.depths, mask_token_id=mask_token_of(options.mask_token_id, cfg))
     copy_verifier_weights(draft, inputs.d2t, inputs.t2d, inputs.embed_weight, inputs.lm_head_weight)
     return draft
 

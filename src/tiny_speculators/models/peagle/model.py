@@ -32,91 +32,69 @@ import torch
 from torch import nn
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.model import DecoderLayer, KVCache, LlamaLayer
+from tiny_speculators.models.attention import KVCache
 from tiny_speculators.models.layers import (
     DraftOutput,
-    RMSNorm,
+    add_input_layers,
     add_output_layers,
-    check_draft_shape,
+    check_layer_type,
     check_mask_token,
+    decoder_stack,
+    fuse_states,
     init_weights,
-    layer_kwargs,
-    rope_or_default,
-    rotary_of,
+    restore_after_load,
+    to_target_ids,
 )
+from tiny_speculators.models.shape import DraftShape
 
-__all__ = ["PEagleDraft"]
+__all__ = ["KWARGS", "PEagleDraft"]
+
+# The draft's kwargs in the order its checkpoints have always written them
+KWARGS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+          "draft_vocab_size", "num_layers", "mask_token_id", "num_depths", "target_hidden_size", "num_aux",
+          "rms_norm_eps", "rope_parameters", "max_position_embeddings", "attention_bias", "layer_type",
+          "norm_before_residual", "norm_before_fc", "train_embeddings", "hidden_act", "aux_layer_ids")
 
 
 class PEagleDraft(nn.Module):
     """P-EAGLE draft: EAGLE-3's fused inputs, ``num_layers`` decoder layers, a learned mask hidden state.
 
     Args:
-        vocab_size, hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
-        draft_vocab_size, target_hidden_size, num_aux, rms_norm_eps, rope_parameters, max_position_embeddings,
-        attention_bias, layer_type, norm_before_residual, norm_before_fc, train_embeddings, hidden_act,
-        aux_layer_ids: as in :class:`~tiny_speculators.models.eagle3.model.Eagle3Draft`.
+        layer_type, norm_before_residual, norm_before_fc: as in EAGLE-3's draft (``models/eagle3/model.py``).
         num_layers: decoder layers (layer 0 is the EAGLE-3 layer, the rest plain Llama/Qwen3 layers).
         mask_token_id: the token id fed at the parallel (mask) slots; its embedding is the verifier's.
         num_depths: positions trained per anchor (depth 0 = the bonus slot); the default speculative tokens.
+        shape: the :class:`~tiny_speculators.models.shape.DraftShape` fields.
     """
 
     def __init__(
         self,
         *,
-        vocab_size: int,
-        hidden_size: int,
-        num_attention_heads: int,
-        num_key_value_heads: int,
-        head_dim: int,
-        intermediate_size: int,
-        draft_vocab_size: int,
         num_layers: int = 2,
         mask_token_id: int = 0,
         num_depths: int = 4,
-        target_hidden_size: int | None = None,
-        num_aux: int = 3,
-        rms_norm_eps: float = 1e-6,
-        rope_parameters: dict[str, Any] | None = None,
-        max_position_embeddings: int = 4096,
-        attention_bias: bool = False,
         layer_type: Literal["llama", "qwen3"] = "llama",
         norm_before_residual: bool = False,
         norm_before_fc: bool = False,
-        train_embeddings: bool = False,
-        hidden_act: str = "silu",
-        aux_layer_ids: list[int] | None = None,
+        **shape: Any,
     ) -> None:
         super().__init__()
-        check_draft_shape(num_aux=num_aux, aux_layer_ids=aux_layer_ids, layer_type=layer_type, hidden_act=hidden_act,
-                          num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads)
+        s = DraftShape(**shape)
+        check_layer_type(layer_type)
         if num_layers < 1 or num_depths < 1:
             raise UserError(f"num_layers and num_depths must be at least 1 (got {num_layers}, {num_depths})")
-        check_mask_token(mask_token_id, vocab_size)
-        rope_parameters = rope_or_default(rope_parameters)
-        target_hidden_size = target_hidden_size or hidden_size
-        self.kwargs = dict(  # exactly what save_draft writes and load_draft rebuilds from
-            vocab_size=vocab_size, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
-            num_key_value_heads=num_key_value_heads, head_dim=head_dim, intermediate_size=intermediate_size,
-            draft_vocab_size=draft_vocab_size, num_layers=num_layers, mask_token_id=mask_token_id,
-            num_depths=num_depths, target_hidden_size=target_hidden_size, num_aux=num_aux,
-            rms_norm_eps=rms_norm_eps, rope_parameters=rope_parameters,
-            max_position_embeddings=max_position_embeddings, attention_bias=attention_bias, layer_type=layer_type,
-            norm_before_residual=norm_before_residual, norm_before_fc=norm_before_fc,
-            train_embeddings=train_embeddings, hidden_act=hidden_act,
-            aux_layer_ids=None if aux_layer_ids is None else [int(i) for i in aux_layer_ids],
-        )
-        self.hidden_size, self.draft_vocab_size, self.num_aux = hidden_size, draft_vocab_size, num_aux
-        self.target_hidden_size, self.mask_token_id = target_hidden_size, mask_token_id
+        check_mask_token(mask_token_id, s.vocab_size)
+        self.kwargs = s.record(  # exactly what save_draft writes and load_draft rebuilds from
+            KWARGS, num_layers=num_layers, mask_token_id=mask_token_id, num_depths=num_depths, layer_type=layer_type,
+            norm_before_residual=norm_before_residual, norm_before_fc=norm_before_fc)
+        self.hidden_size, self.draft_vocab_size, self.num_aux = s.hidden_size, s.draft_vocab_size, s.num_aux
+        self.target_hidden_size, self.mask_token_id = s.target_hidden_size, mask_token_id
 
-        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
-        self.embed_tokens.weight.requires_grad_(train_embeddings)
-        self.input_norm = RMSNorm(num_aux * target_hidden_size, rms_norm_eps) if norm_before_fc else None
-        self.fc = nn.Linear(num_aux * target_hidden_size, hidden_size, bias=False)
-        self.mask_hidden = nn.Parameter(torch.zeros(1, 1, num_aux * target_hidden_size))  # pre-fc, like aux states
-        shape = dict(layer_kwargs(self.kwargs), layer_type=layer_type)
-        self.layers = nn.ModuleList([DecoderLayer(**shape, norm_before_residual=norm_before_residual),
-                                     *(LlamaLayer(**shape) for _ in range(num_layers - 1))])
+        add_input_layers(self, norm_before_fc=norm_before_fc)  # embed_tokens, input_norm
+        self.fc_norm = None  # vLLM's P-EAGLE reads no fc_norm
+        self.fc = nn.Linear(s.num_aux * s.target_hidden_size, s.hidden_size, bias=False)
+        self.mask_hidden = nn.Parameter(torch.zeros(1, 1, s.num_aux * s.target_hidden_size))  # pre-fc, like aux states
+        self.layers = decoder_stack(self.kwargs, num_layers)
         add_output_layers(self)  # norm, lm_head, rotary, d2t, t2d
         self.reset_parameters()
 
@@ -128,15 +106,11 @@ class PEagleDraft(nn.Module):
 
     def after_load(self, device: str | torch.device) -> None:
         """After weights were assigned into a meta-device build: rebuild RoPE buffers, re-freeze embeddings."""
-        self.rotary = rotary_of(self.kwargs).to(device)
-        self.embed_tokens.weight.requires_grad_(bool(self.kwargs.get("train_embeddings", False)))
+        restore_after_load(self, device)
 
     def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[..., num_aux*Ht]`` verifier states (or the mask hidden state) -> ``[..., H]``."""
-        x = aux_hidden_states.to(self.fc.weight.dtype)
-        if self.input_norm is not None:
-            x = self.input_norm(x)
-        return self.fc(x)
+        """``[..., num_aux*Ht]`` verifier states (or the mask hidden state) -> ``[..., H]`` (input_norm?, fc)."""
+        return fuse_states(self, aux_hidden_states)
 
     def mask_state(self) -> torch.Tensor:
         """The hidden state of every mask slot, ``fc(input_norm?(mask_hidden))``: ``[H]``."""
@@ -176,5 +150,4 @@ class PEagleDraft(nn.Module):
         return DraftOutput(logits=self.compute_logits(x) if logits else None, hidden_states=x)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab ids -> target-vocab ids (``i + d2t[i]``)."""
-        return draft_ids + self.d2t[draft_ids]
+        return to_target_ids(self, draft_ids)

@@ -30,14 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiny_speculators.models.eagle3.attention import PackedTTTMask, document_blocks
-from tiny_speculators.models.eagle3.loss import METRIC_KEYS, chain_metrics
-from tiny_speculators.models.eagle3.model import KVCache
-from tiny_speculators.models.eagle3.objective import summarize
-from tiny_speculators.models.eagle3.ttt import positions_from_documents, valid_anchors
+from tiny_speculators.models.attention import KVCache, PackedTTTMask, document_blocks
 from tiny_speculators.models.family import StepOutput
 from tiny_speculators.models.losses import DenseTargets, LossSpec, TopKTargets, chunked_step_losses
+from tiny_speculators.models.metrics import METRIC_KEYS, chain_metrics, summarize
 from tiny_speculators.models.peagle.model import PEagleDraft
+from tiny_speculators.models.ttt import positions_of, valid_anchors
 
 KEEP = "_peagle_keep"  # batch key: the sampled anchors per depth (flat indices), set by loss_counts
 
@@ -157,9 +155,7 @@ class PEagleObjective(nn.Module):
         ids = batch["input_ids"]
         b, t = ids.shape
         doc = batch.get("document_ids")
-        pos = batch.get("position_ids")
-        if pos is None:
-            pos = positions_from_documents(doc) if doc is not None else torch.arange(t, device=ids.device).expand(b, t)
+        pos = positions_of(ids, doc, batch.get("position_ids"))
         valid_all = self._valid(batch)
         sets = self._sets(batch, valid_all)
         outs = rollout(self.draft, ids, batch["aux_hidden_states"], pos, doc, sets)

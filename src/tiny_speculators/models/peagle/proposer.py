@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from tiny_speculators.models.eagle3.model import KVCache, to_target_logits
+from tiny_speculators.models.attention import KVCache
+from tiny_speculators.models.layers import to_target_logits
 from tiny_speculators.models.peagle.model import PEagleDraft
 from tiny_speculators.sampling import SamplingParams, pick_tokens
 

@@ -24,53 +24,37 @@ from typing import Any
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.builder import layer_shape_of
-from tiny_speculators.models.eagle3.speculators import (
-    SPECULATORS_SCHEMA_VERSION,
+from tiny_speculators.models.family import DraftFormat, ExportInfo
+from tiny_speculators.models.files import cast_state, read_json
+from tiny_speculators.models.shape import layer_shape_of
+from tiny_speculators.models.speculators_format import (
+    CONFIG,
     check_proposal,
+    config_json,
     layer_config,
     layer_rows,
     normalize_state,
-    proposal_config,
     recorded,
     speculative_tokens_of,
     transformer_layer_config,
     verifier_of,
     without_identity_maps,
 )
-from tiny_speculators.models.family import DraftFormat, ExportInfo
-from tiny_speculators.models.files import cast_state, dtype_name, read_json
-
-CONFIG = "config.json"
 
 
 def config(kwargs: Mapping[str, Any], info: ExportInfo) -> dict[str, Any]:
     layer = transformer_layer_config({**kwargs, "num_aux": kwargs.get("num_aux", 3)})
     layer["num_hidden_layers"] = int(kwargs["num_layers"])
-    aux = kwargs.get("aux_layer_ids")
-    cfg: dict[str, Any] = {
-        "architectures": ["PEagleSpeculator"],
-        "speculators_model_type": "peagle",
-        "speculators_version": SPECULATORS_SCHEMA_VERSION,
-        "draft_vocab_size": int(kwargs["draft_vocab_size"]),
+    own = {
         "norm_before_residual": bool(kwargs.get("norm_before_residual", False)),
         "norm_before_fc": bool(kwargs.get("norm_before_fc", False)),
         "norm_output": False,
         "mask_token_id": int(kwargs["mask_token_id"]),
         "num_depths": int(kwargs["num_depths"]),
         "embed_requires_grad": bool(kwargs.get("train_embeddings", False)),
-        "tie_word_embeddings": False,
     }
-    target_hidden = kwargs.get("target_hidden_size") or kwargs["hidden_size"]
-    if target_hidden != kwargs["hidden_size"]:
-        cfg["target_hidden_size"] = int(target_hidden)
-    if aux:
-        cfg["eagle_aux_hidden_state_layer_ids"] = [int(i) for i in aux]
-    cfg["transformer_layer_config"] = layer
-    cfg["speculators_config"] = proposal_config("peagle", info.speculative_tokens, info.verifier_name,
-                                                info.verifier_architectures)
-    cfg["dtype"] = cfg["torch_dtype"] = dtype_name(info.dtype)
-    return cfg
+    return config_json("peagle", "PEagleSpeculator", kwargs, own, layer=layer,
+                       aux_layer_ids=kwargs.get("aux_layer_ids"), info=info)
 
 
 def write(draft, info: ExportInfo) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -1,4 +1,5 @@
-"""Attention kernels and the training-time-test (TTT) attention masks for the EAGLE-3 draft.
+"""Attention kernels, the drafts' KV cache and the training-time-test (TTT) attention masks, shared by every
+family whose draft attends over a cache (EAGLE-3, P-EAGLE, MTP).
 
 Two kernels compute the same thing:
 
@@ -34,6 +35,53 @@ except ImportError:  # pragma: no cover - depends on the installed torch
 
 
 _COMPILED_FLEX = None
+
+
+class KVCache:
+    """Keys/values of the draft's first attention layer, ``[B, n_kv, S, D]`` each (post-RoPE), and those of any
+    later layers in caches of their own (:meth:`layer`).
+
+    ``forward(..., cache=cache)`` appends the new keys/values; ``crop(n)`` drops everything after
+    the first ``n`` positions of every layer (rollback after rejected draft tokens).
+    """
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.later: list[KVCache] = []  # layers 1, 2, ...
+
+    def layer(self, index: int) -> KVCache:
+        """The cache of decoder layer ``index`` (this one for 0), made on first use."""
+        if index == 0:
+            return self
+        while len(self.later) < index:
+            self.later.append(KVCache())
+        return self.later[index - 1]
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is None:
+            self.k, self.v = k, v
+        else:
+            self.k = torch.cat([self.k, k], dim=2)
+            self.v = torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def crop(self, length: int) -> None:
+        if length < 0 or length > self.length:
+            raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
+        if self.k is not None:
+            self.k = self.k[:, :, :length]
+            self.v = self.v[:, :, :length]
+        for cache in self.later:
+            cache.crop(length)
+
+    def reset(self) -> None:
+        self.k = self.v = None
+        self.later = []
 
 
 def flex_available() -> bool:
@@ -128,6 +176,24 @@ def attend(
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal and q.shape[2] > 1, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask, cache: KVCache | None, *,
+                  scale: float) -> torch.Tensor:
+    """:func:`attend` of new queries ``q [B, Hq, T, D]`` over the cached keys/values followed by the new ``k, v
+    [B, Hkv, T, D]`` (appended to ``cache``). ``attention_mask`` covers all keys (cached + new); None is causal."""
+    t = q.shape[2]
+    past = 0
+    if cache is not None:
+        past = cache.length
+        k, v = cache.append(k, v)  # (B, Hkv, S, D), S = past + T
+    mask = attention_mask
+    if mask is None and past > 0:  # causal over cached + new keys
+        s = k.shape[2]
+        mask = torch.arange(s, device=q.device)[None, :] <= (past + torch.arange(t, device=q.device))[:, None]
+    if isinstance(mask, torch.Tensor) and mask.shape[-1] != k.shape[2]:
+        raise ValueError(f"attention_mask covers {mask.shape[-1]} keys, but there are {k.shape[2]}")
+    return attend(q, k, v, mask, scale=scale, causal=mask is None)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""Training-time test (TTT): a K-step EAGLE-3 rollout with its loss and metrics.
+"""Training-time test (TTT): a K-step rollout of a chain draft with its loss and metrics. EAGLE-3 trains with it,
+and MTP (its one layer applied recursively is the same chain); any draft with ``fuse``, ``forward(ids, hidden,
+positions, attention_mask, cache, logits=False)`` and ``compute_logits`` fits.
 
 Data layout (what ``HiddenStateReader`` yields, batched): all tensors are aligned with the tokens,
 ``input_ids[b, t] = x_t``; ``aux_hidden_states[b, t]`` and ``last_hidden_state[b, t]`` are the
@@ -15,7 +17,7 @@ does after the verifier has read ``x_0..x_t``):
 * step k at anchor ``t`` predicts ``x_{t+k+2}``; its target is the verifier's distribution at
   ``t+k+1``; it counts iff ``t+k+2 < T``, ``loss_mask[t+k+2] == 1`` and ``x_{t+k+2}`` is in the same
   document as ``x_t`` (packed sequences).
-* attention at step k (see ``attention.py``): causal over step-0 keys of the same document, plus the
+* attention at step k (see ``models/attention.py``): causal over step-0 keys of the same document, plus the
   keys of steps 1..k at the same anchor — what the draft sees in vLLM's chain drafting.
 
 Loss (``models/losses.py``, chosen by ``loss``: a :class:`LossSpec`, default forward KL): per step, the combined
@@ -62,7 +64,7 @@ API::
 Tiny CPU run (random draft and verifier head; prints the logged metrics)::
 
     python -c "import torch; from tiny_speculators.models.eagle3.model import Eagle3Draft; \
-from tiny_speculators.models.eagle3.ttt import ttt_step, summarize_metrics; \
+from tiny_speculators.models.ttt import ttt_step, summarize_metrics; \
 d = Eagle3Draft(vocab_size=100, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16, \
 intermediate_size=64, draft_vocab_size=100); w = torch.randn(100, 32); ids = torch.randint(0, 100, (2, 16)); \
 out = ttt_step(d, input_ids=ids, aux_hidden_states=torch.randn(2, 16, 96), last_hidden_state=torch.randn(2, 16, 32), \
@@ -70,31 +72,32 @@ loss_mask=torch.ones(2, 16), target_head=lambda h: h @ w.T, steps=3, decay=0.8);
 out.loss.backward(); print(summarize_metrics(out.metrics, 0.8))"
 
 Give either ``last_hidden_state`` + ``target_head``, precomputed ``target_logits``, or the verifier's top-k
-(``target_topk_ids`` + ``target_topk_logits`` ``[B,T,k]``, from ``extract --layout topk``; see ``loss.py``).
+(``target_topk_ids`` + ``target_topk_logits`` ``[B,T,k]``, from ``extract --layout topk``; see ``losses.py``).
 Right padding is fine (give padded positions loss_mask 0); left padding is not.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+from torch import nn
 
-from tiny_speculators.models.eagle3.attention import (
+from tiny_speculators.models.attention import (
+    KVCache,
     PackedTTTMask,
     document_blocks,
     flex_available,
     ttt_block_mask,
     ttt_mask_dense,
 )
-from tiny_speculators.models.eagle3.loss import METRIC_KEYS, chain_metrics, summarize_metrics
-from tiny_speculators.models.eagle3.model import Eagle3Draft, KVCache
 from tiny_speculators.models.losses import DenseTargets, LossSpec, TopKTargets, chunked_step_losses
+from tiny_speculators.models.metrics import METRIC_KEYS, chain_metrics, summarize, summarize_metrics
 
-__all__ = ["METRIC_KEYS", "TTTOutput", "positions_from_documents", "rollout", "summarize_metrics", "ttt_step",
-           "valid_anchors"]
+__all__ = ["METRIC_KEYS", "TTTObjective", "TTTOutput", "positions_from_documents", "positions_of", "rollout",
+           "step_counts", "summarize_metrics", "ttt_step", "valid_anchors"]
 
 
 @dataclass
@@ -112,6 +115,18 @@ def positions_from_documents(document_ids: torch.Tensor) -> torch.Tensor:
     start[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
     first = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
     return idx - first
+
+
+def positions_of(input_ids: torch.Tensor, document_ids: torch.Tensor | None,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, T]`` RoPE positions of a batch: ``position_ids`` when given, else per-document positions when the rows are
+    packed (``document_ids``), else ``0..T-1`` in every row."""
+    if position_ids is not None:
+        return position_ids
+    if document_ids is not None:
+        return positions_from_documents(document_ids)
+    b, t = input_ids.shape
+    return torch.arange(t, device=input_ids.device).expand(b, t)
 
 
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -147,7 +162,7 @@ def resolve_attention(attention: str, device: torch.device) -> str:
     return attention
 
 
-def rollout(draft: Eagle3Draft, input_ids, aux_hidden_states, position_ids, document_ids=None, *, steps: int,
+def rollout(draft: nn.Module, input_ids, aux_hidden_states, position_ids, document_ids=None, *, steps: int,
             attention: Literal["sdpa", "flex", "auto"] = "sdpa") -> list[torch.Tensor]:
     """Run the K TTT steps; returns the K pre-norm outputs ``[B, T, H]`` (indexed by anchor)."""
     b, t = input_ids.shape
@@ -171,7 +186,7 @@ def rollout(draft: Eagle3Draft, input_ids, aux_hidden_states, position_ids, docu
 
 
 def ttt_step(
-    draft: Eagle3Draft,
+    draft: nn.Module,
     *,
     input_ids: torch.Tensor,
     aux_hidden_states: torch.Tensor,
@@ -202,9 +217,7 @@ def ttt_step(
                          "target_topk_ids and target_topk_logits")
     b, t = input_ids.shape
     device = input_ids.device
-    if position_ids is None:
-        position_ids = (positions_from_documents(document_ids) if document_ids is not None
-                        else torch.arange(t, device=device).expand(b, t))
+    position_ids = positions_of(input_ids, document_ids, position_ids)
     outs = rollout(draft, input_ids, aux_hidden_states, position_ids, document_ids, steps=steps,
                    attention=attention)
     valid = valid_anchors(loss_mask, document_ids, steps).reshape(steps, b * t)  # (K, N) by anchor
@@ -232,3 +245,51 @@ def ttt_step(
         "cond_count": cond_count,
     }
     return TTTOutput(loss=total, loss_sums=out.weighted, metrics=metrics)
+
+
+def step_counts(batch: dict[str, Any], steps: int) -> torch.Tensor:
+    """``[K]`` number of anchors with a target at each TTT step (the loss normalizer's local part)."""
+    return valid_anchors(batch["loss_mask"], batch.get("document_ids"), steps).sum(dim=(1, 2))
+
+
+class TTTObjective(nn.Module):
+    """What every objective trained by the TTT rollout shares: the draft (the only registered submodule), the frozen
+    verifier head outside the module tree, the rollout call, and per-step counts, stats and summary. A family's
+    ``forward`` says what the rollout reads (:meth:`rollout`).
+
+    DDP and FSDP2 hook a module's ``forward``; ``ttt_step`` calls ``draft.fuse``, ``draft(...)`` K times and
+    ``draft.compute_logits`` per chunk (also during backward recomputation), so the wrapper must be around all of it.
+    Loss groups are the K steps: ``loss_counts`` gives the local number of anchors with a target per step, the loop
+    sums them over the optimizer step and passes them back as ``loss_normalizer``.
+    """
+
+    def __init__(self, draft: nn.Module, target_head: nn.Module, steps: int, decay: float, attention: str,
+                 chunk_size: int = 1024, checkpoint: bool = True, loss: LossSpec | None = None) -> None:
+        super().__init__()
+        self.draft = draft
+        self.loss = (loss or LossSpec()).resolved("kl")  # the loss terms and position weights (models/losses.py)
+        self._head = (target_head,)  # a tuple hides it from parameters()/state_dict()/DDP broadcast
+        self.steps, self.decay, self.attention, self.chunk_size = steps, decay, attention, chunk_size
+        self.checkpoint = checkpoint  # recompute draft logits blocks in backward (ttt_step's memory saver)
+
+    def rollout(self, batch: dict[str, Any], loss_normalizer: torch.Tensor | None, aux_hidden_states: torch.Tensor,
+                **targets: Any) -> TTTOutput:
+        """:func:`ttt_step` on ``batch`` with the draft reading ``aux_hidden_states`` and the verifier's ``targets``
+        (``last_hidden_state`` + ``target_head``, or ``target_topk_ids`` + ``target_topk_logits``)."""
+        return ttt_step(
+            self.draft, input_ids=batch["input_ids"], aux_hidden_states=aux_hidden_states,
+            loss_mask=batch["loss_mask"], **targets,
+            position_ids=batch["position_ids"], document_ids=batch.get("document_ids"), steps=self.steps,
+            decay=self.decay, attention=self.attention, chunk_size=self.chunk_size, checkpoint=self.checkpoint,
+            loss_normalizer=loss_normalizer, loss=self.loss,
+        )
+
+    def loss_counts(self, batch: dict[str, Any]) -> torch.Tensor:
+        """``[K]`` number of anchors with a target at each TTT step (the loss normalizer's local part)."""
+        return step_counts(batch, self.steps)
+
+    def new_stats(self, device: torch.device) -> dict[str, torch.Tensor]:
+        return {key: torch.zeros(self.steps, dtype=torch.float64, device=device) for key in METRIC_KEYS}
+
+    def summarize(self, stats: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        return summarize(stats, self.decay)
