@@ -1,4 +1,4 @@
-"""Small helpers every draft format shares: JSON and weight-file reading with one-line errors, required fields, dtypes."""
+"""Small helpers every draft format shares: JSON and weight files read with one-line errors, fields, dtypes."""
 
 from __future__ import annotations
 
