@@ -16,8 +16,9 @@ import torch
 from tiny_speculators.errors import UserError
 from tiny_speculators.models import FAMILIES, family_of, get_family
 from tiny_speculators.models.checkpoint import load_draft, save_draft
-from tiny_speculators.models.family import BuildInputs, ExportInfo, Objective, Proposer, parse_options
+from tiny_speculators.models.family import BuildInputs, ExportInfo, Objective, Proposer
 from tiny_speculators.models.importing import import_draft
+from tiny_speculators.options import parse_options
 
 AUX = [2, 4, 5]
 

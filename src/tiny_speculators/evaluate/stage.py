@@ -106,8 +106,9 @@ def evaluate(
         trust_remote_code: allow custom modelling code of the verifier.
     """
     from tiny_speculators.models import get_family
-    from tiny_speculators.models.family import ConfidenceProposer, options_from_record
+    from tiny_speculators.models.family import ConfidenceProposer
     from tiny_speculators.models.importing import import_draft
+    from tiny_speculators.options import options_from_record
     from tiny_speculators.verifier.describe import text_config
     from tiny_speculators.verifier.load import load_verifier, parse_dtype, verifier_id
 

@@ -35,8 +35,9 @@ from tiny_speculators.export.common import EXPORT_DTYPES, read_json, write_json
 from tiny_speculators.export.model_card import render_model_card
 from tiny_speculators.models import FORMAT_NAMES, get_family
 from tiny_speculators.models.compat import check_against_verifier
-from tiny_speculators.models.family import ExportInfo, options_from_record
+from tiny_speculators.models.family import ExportInfo
 from tiny_speculators.models.importing import OURS, import_draft, resolve_checkpoint
+from tiny_speculators.options import options_from_record
 
 log = logging.getLogger(__name__)
 

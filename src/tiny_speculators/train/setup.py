@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.family import BuildInputs, DraftFamily, options_record
+from tiny_speculators.models.family import BuildInputs, DraftFamily
+from tiny_speculators.options import options_record
 from tiny_speculators.train import checkpoint as C
 from tiny_speculators.train import distributed as D
 from tiny_speculators.train.loop import TrainState

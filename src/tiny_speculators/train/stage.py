@@ -31,7 +31,7 @@ import torch
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.models import DEFAULT_ALGORITHM, FAMILIES, Algorithm, get_family
-from tiny_speculators.models.family import parse_options
+from tiny_speculators.options import parse_options
 from tiny_speculators.train import checkpoint as C
 from tiny_speculators.train import distributed as D
 from tiny_speculators.train.data import split_train_val
