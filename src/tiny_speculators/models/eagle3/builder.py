@@ -16,6 +16,7 @@ import torch
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.eagle3.model import Eagle3Draft
 from tiny_speculators.models.importing import copy_verifier_weights
+from tiny_speculators.verifier.describe import config_value as _get
 from tiny_speculators.verifier.describe import text_config
 
 log = logging.getLogger(__name__)
@@ -25,12 +26,6 @@ _OVERRIDABLE = {
     "rope_parameters", "max_position_embeddings", "attention_bias", "layer_type", "norm_before_residual",
     "norm_before_fc", "fc_norm", "train_embeddings", "hidden_act", "aux_layer_ids", "num_layers",
 }
-
-
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    if isinstance(cfg, Mapping):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
 
 
 def rope_parameters_of(cfg: Any) -> dict[str, Any]:
