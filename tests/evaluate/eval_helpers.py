@@ -1,8 +1,11 @@
-"""Test helpers for the evaluate tests: random EAGLE-3 drafts and an oracle (perfect) draft."""
+"""Test helpers for the evaluate tests: random EAGLE-3 drafts and an oracle (perfect) draft; a verifier loaded
+for exact checks, its own greedy generation, random prompts, the exact distributions of its next tokens and a
+chi-square test against them."""
 
 from __future__ import annotations
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from tiny_speculators.models.eagle3.family import build_draft, draft_kwargs_from_verifier
 from tiny_speculators.models.eagle3.proposer import Eagle3Proposer
@@ -95,3 +98,47 @@ def self_distilled_draft(model, aux_layer_ids, *, num_seqs=16, prompt_len=8, new
                        target_logits=target_logits, steps=ttt_steps, checkpoint=False)
     return {"draft": draft, "seqs": seqs, "aux": aux, "prompt_len": prompt_len,
             "metrics": summarize_metrics(out.metrics)}
+
+
+def load_model(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
+
+
+def hf_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                         pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def random_prompts(vocab, n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def exact_marginals(model, prompt, params, steps=3):
+    """Exact verifier distributions of the 2nd and 3rd generated tokens (enumerating the vocab)."""
+    from tiny_speculators.sampling import probs_from_logits
+
+    v = model.config.vocab_size
+    p1 = probs_from_logits(model(torch.tensor([prompt])).logits[0, -1], params)  # (V,)
+    seq = torch.cat([torch.tensor(prompt).repeat(v, 1), torch.arange(v)[:, None]], dim=1)
+    p2_given = probs_from_logits(model(seq).logits[:, -1], params)  # (V, V)
+    seq2 = torch.cat([seq.repeat_interleave(v, 0), torch.arange(v).repeat(v)[:, None]], dim=1)
+    p3_given = probs_from_logits(model(seq2).logits[:, -1], params).view(v, v, v)
+    joint12 = p1[:, None] * p2_given  # (V, V)
+    return joint12.sum(0), (joint12[:, :, None] * p3_given).sum((0, 1))
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; cells with expected count < 5 are pooled into one."""
+    n = counts.sum()
+    expected = probs.double() * n
+    small = expected < 5
+    obs = torch.cat([counts[~small].double(), counts[small].double().sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))

@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from eval_helpers import OracleProposer, random_draft
-from transformers import AutoModelForCausalLM
+from eval_helpers import (
+    OracleProposer,
+    chi2_pvalue,
+    exact_marginals,
+    hf_greedy,
+    load_model,
+    random_draft,
+    random_prompts,
+)
 
 from tiny_speculators.evaluate.decoding import (
     TreeParams,
@@ -21,29 +28,13 @@ from tiny_speculators.verifier.capture import default_aux_layer_ids
 TREE = TreeParams(depth=3, topk=3, total_tokens=8)
 
 
-def _load(path):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)
-
-
-def _hf_greedy(model, prompt, n):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                         pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
-
-
-def _prompts(vocab, n=3, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_greedy_is_lossless_with_random_draft(arch, tiny_llama_dir, tiny_qwen3_dir):
-    model = _load(tiny_llama_dir if arch == "llama" else tiny_qwen3_dir)
+    model = load_model(tiny_llama_dir if arch == "llama" else tiny_qwen3_dir)
     target = TargetRunner(model, default_aux_layer_ids(model.config.num_hidden_layers))
     proposer = Eagle3Proposer(random_draft(model, draft_vocab=2000))
-    for prompt in _prompts(model.config.vocab_size, n=2):
-        ref = _hf_greedy(model, prompt, 16)
+    for prompt in random_prompts(model.config.vocab_size, n=2):
+        ref = hf_greedy(model, prompt, 16)
         chain = speculative_generate(target, proposer, prompt, k=3, max_new_tokens=16)
         tree = speculative_generate(target, proposer, prompt, max_new_tokens=16, tree=TREE)
         base = autoregressive_generate(target, prompt, max_new_tokens=16)
@@ -57,11 +48,11 @@ def test_greedy_is_lossless_with_random_draft(arch, tiny_llama_dir, tiny_qwen3_d
 def test_perfect_draft_accepts_everything(use_tree, tiny_llama_dir):
     """A draft that predicts the verifier's greedy continuation gives tau = k + 1 (chain) / depth + 1 (tree),
     exercising acceptance, cache rollback and (tree) cache compaction on non-contiguous paths."""
-    model = _load(tiny_llama_dir)
+    model = load_model(tiny_llama_dir)
     target = TargetRunner(model, [2, 4, 5])
     k, n_new = 4, 20
-    for prompt in _prompts(model.config.vocab_size, n=2, seed=1):
-        ref = _hf_greedy(model, prompt, n_new + 8)
+    for prompt in random_prompts(model.config.vocab_size, n=2, seed=1):
+        ref = hf_greedy(model, prompt, n_new + 8)
         proposer = OracleProposer(random_draft(model), prompt + ref)
         res = speculative_generate(target, proposer, prompt, k=k, max_new_tokens=n_new,
                                    tree=TREE if use_tree else None)
@@ -74,10 +65,10 @@ def test_perfect_draft_accepts_everything(use_tree, tiny_llama_dir):
 
 
 def test_eos_stops_generation(tiny_llama_dir):
-    model = _load(tiny_llama_dir)
+    model = load_model(tiny_llama_dir)
     target = TargetRunner(model, [2, 4, 5])
-    prompt = _prompts(model.config.vocab_size, n=1, seed=2)[0]
-    ref = _hf_greedy(model, prompt, 20)
+    prompt = random_prompts(model.config.vocab_size, n=1, seed=2)[0]
+    ref = hf_greedy(model, prompt, 20)
     eos = ref[7]
     cut = ref[: ref.index(eos) + 1]
     proposer = OracleProposer(random_draft(model), prompt + ref + [0] * 8)
@@ -85,43 +76,15 @@ def test_eos_stops_generation(tiny_llama_dir):
     assert autoregressive_generate(target, prompt, max_new_tokens=20, eos_ids={eos}).tokens == cut
 
 
-def _exact_marginals(model, prompt, params, steps=3):
-    """Exact verifier distributions of the 2nd and 3rd generated tokens (enumerating the vocab)."""
-    from tiny_speculators.sampling import probs_from_logits
-
-    v = model.config.vocab_size
-    p1 = probs_from_logits(model(torch.tensor([prompt])).logits[0, -1], params)  # (V,)
-    seq = torch.cat([torch.tensor(prompt).repeat(v, 1), torch.arange(v)[:, None]], dim=1)
-    p2_given = probs_from_logits(model(seq).logits[:, -1], params)  # (V, V)
-    seq2 = torch.cat([seq.repeat_interleave(v, 0), torch.arange(v).repeat(v)[:, None]], dim=1)
-    p3_given = probs_from_logits(model(seq2).logits[:, -1], params).view(v, v, v)
-    joint12 = p1[:, None] * p2_given  # (V, V)
-    return joint12.sum(0), (joint12[:, :, None] * p3_given).sum((0, 1))
-
-
-def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit; cells with expected count < 5 are pooled into one."""
-    n = counts.sum()
-    expected = probs.double() * n
-    small = expected < 5
-    obs = torch.cat([counts[~small].double(), counts[small].double().sum()[None]])
-    exp = torch.cat([expected[~small], expected[small].sum()[None]])
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    df = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
-
-
 @pytest.mark.parametrize("use_tree", [False, True])
 def test_sampling_matches_verifier_distribution(use_tree, small_vocab_verifier):
     """2nd and 3rd emitted tokens (both produced by draft + verification) follow the verifier's exact
     marginals: chi-square p-value > 1e-3 over 1000 seeded runs; a visibly different distribution fails it."""
-    model = _load(small_vocab_verifier)
+    model = load_model(small_vocab_verifier)
     params = SamplingParams(temperature=1.0, top_k=12, top_p=0.95)
     prompt = [3, 1, 4, 1, 5]
     with torch.no_grad():
-        m2, m3 = _exact_marginals(model, prompt, params)
+        m2, m3 = exact_marginals(model, prompt, params)
     target = TargetRunner(model, [1, 2, 3])
     proposer = Eagle3Proposer(random_draft(model, draft_vocab=12, seed=1, std=0.3))
     gen = torch.Generator().manual_seed(1234)
@@ -138,10 +101,10 @@ def test_sampling_matches_verifier_distribution(use_tree, small_vocab_verifier):
         proposed += len(res.accepted)
     # both the accept and the reject/residual paths were exercised many times
     assert 0.1 * proposed < accepted < 1.5 * proposed, (accepted, proposed)
-    assert _chi2_pvalue(c2, m2) > 1e-3 and _chi2_pvalue(c3, m3) > 1e-3
+    assert chi2_pvalue(c2, m2) > 1e-3 and chi2_pvalue(c3, m3) > 1e-3
     # the test has power: a visibly different distribution (the uniform one over the support) fails
     uniform = (m2 > 0).double() / (m2 > 0).sum()
-    assert _chi2_pvalue(c2, uniform) < 1e-6
+    assert chi2_pvalue(c2, uniform) < 1e-6
 
 
 def test_rejection_rule_emits_the_verifier_distribution():
@@ -161,5 +124,5 @@ def test_rejection_rule_emits_the_verifier_distribution():
         accepted, nxt = accept_chain(p, q, draft, g)
         counts[draft[0] if accepted else nxt] += 1
         first_accepted += accepted > 0
-    assert _chi2_pvalue(counts, p[0]) > 1e-3
+    assert chi2_pvalue(counts, p[0]) > 1e-3
     assert abs(first_accepted / n - float(torch.minimum(p[0], q[0]).sum())) < 0.015

@@ -4,7 +4,7 @@ equals the verifier's own generate, and sampling emits exactly the verifier's di
 from __future__ import annotations
 
 import torch
-from test_eval_decoding import _chi2_pvalue, _exact_marginals, _hf_greedy, _load, _prompts
+from eval_helpers import chi2_pvalue, exact_marginals, hf_greedy, load_model, random_prompts
 
 from tiny_speculators.evaluate.decoding import speculative_generate
 from tiny_speculators.evaluate.target import TargetRunner
@@ -30,22 +30,22 @@ def dflash_draft(model, block_size: int, seed: int = 0, std: float = 0.02) -> DF
 
 
 def test_dflash_greedy_is_lossless(tiny_llama_dir):
-    model = _load(tiny_llama_dir)
+    model = load_model(tiny_llama_dir)
     target = TargetRunner(model, AUX)
     proposer = DFlashProposer(dflash_draft(model, block_size=5))
-    for prompt in _prompts(model.config.vocab_size, n=2):
+    for prompt in random_prompts(model.config.vocab_size, n=2):
         res = speculative_generate(target, proposer, prompt, k=4, max_new_tokens=16)
-        assert res.tokens == _hf_greedy(model, prompt, 16)
+        assert res.tokens == hf_greedy(model, prompt, 16)
         assert res.draft_forwards == len(res.accepted)  # one draft forward per verification step
 
 
 def test_dflash_sampling_matches_verifier_distribution(small_vocab_verifier):
     """2nd and 3rd emitted tokens follow the verifier's exact marginals (chi-square over 1000 seeded runs)."""
-    model = _load(small_vocab_verifier)
+    model = load_model(small_vocab_verifier)
     params = SamplingParams(temperature=1.0, top_k=12, top_p=0.95)
     prompt = [3, 1, 4, 1, 5]
     with torch.no_grad():
-        m2, m3 = _exact_marginals(model, prompt, params)
+        m2, m3 = exact_marginals(model, prompt, params)
     target = TargetRunner(model, AUX)
     proposer = DFlashProposer(dflash_draft(model, block_size=3, seed=1, std=0.3))
     gen = torch.Generator().manual_seed(1234)
@@ -58,4 +58,4 @@ def test_dflash_sampling_matches_verifier_distribution(small_vocab_verifier):
         accepted += sum(res.accepted)
         proposed += len(res.accepted)
     assert 0.1 * proposed < accepted < 1.5 * proposed, (accepted, proposed)  # accept and reject paths both ran
-    assert _chi2_pvalue(c2, m2) > 1e-3 and _chi2_pvalue(c3, m3) > 1e-3
+    assert chi2_pvalue(c2, m2) > 1e-3 and chi2_pvalue(c3, m3) > 1e-3

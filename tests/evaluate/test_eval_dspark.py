@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from test_eval_decoding import _chi2_pvalue, _exact_marginals, _hf_greedy, _load, _prompts
+from eval_helpers import chi2_pvalue, exact_marginals, hf_greedy, load_model, random_prompts
 
 from tiny_speculators.evaluate.decoding import speculative_generate
 from tiny_speculators.evaluate.target import TargetRunner
@@ -53,7 +53,7 @@ def greedy_bigrams(model, prompts: list[list[int]], n: int) -> dict[int, int]:
     """The most frequent next token after each token of the verifier's greedy continuations."""
     counts: dict[tuple[int, int], int] = {}
     for p in prompts:
-        seq = p + _hf_greedy(model, p, n)
+        seq = p + hf_greedy(model, p, n)
         for a, b in zip(seq[len(p) - 1:], seq[len(p):], strict=False):
             counts[a, b] = counts.get((a, b), 0) + 1
     best: dict[int, tuple[int, int]] = {}
@@ -119,8 +119,8 @@ def reference_decode(model, draft: DSparkDraft, prompt: list[int], k: int, max_n
 
 @pytest.mark.parametrize("threshold", [None, 0.5])
 def test_dspark_matches_the_reference_decode_and_is_lossless(small_vocab_verifier, threshold):
-    model = _load(small_vocab_verifier)
-    prompts = _prompts(model.config.vocab_size, n=3, seed=2)
+    model = load_model(small_vocab_verifier)
+    prompts = random_prompts(model.config.vocab_size, n=3, seed=2)
     draft = dspark_draft(model, AUX, block_size=4, bigrams=greedy_bigrams(model, prompts, 24))
     target = TargetRunner(model, AUX)
     proposer = DSparkProposer(draft, confidence_threshold=threshold)
@@ -128,7 +128,7 @@ def test_dspark_matches_the_reference_decode_and_is_lossless(small_vocab_verifie
     for prompt in prompts:
         res = speculative_generate(target, proposer, prompt, k=4, max_new_tokens=24)
         tokens, accepted, proposed, confidences = reference_decode(model, draft, prompt, 4, 24, threshold)
-        assert res.tokens == tokens == _hf_greedy(model, prompt, 24)
+        assert res.tokens == tokens == hf_greedy(model, prompt, 24)
         assert res.accepted == accepted and res.proposed == proposed
         assert len(res.confidences) == len(confidences)
         for ours, ref in zip(res.confidences, confidences, strict=True):
@@ -143,11 +143,11 @@ def test_dspark_matches_the_reference_decode_and_is_lossless(small_vocab_verifie
 def test_dspark_sampling_matches_verifier_distribution(small_vocab_verifier):
     """With the confidence cut on, the 2nd and 3rd emitted tokens follow the verifier's exact marginals
     (chi-square over 1000 seeded runs)."""
-    model = _load(small_vocab_verifier)
+    model = load_model(small_vocab_verifier)
     params = SamplingParams(temperature=1.0, top_k=12, top_p=0.95)
     prompt = [3, 1, 4, 1, 5]
     with torch.no_grad():
-        m2, m3 = _exact_marginals(model, prompt, params)
+        m2, m3 = exact_marginals(model, prompt, params)
     target = TargetRunner(model, AUX)
     draft = dspark_draft(model, AUX, block_size=3, seed=1, bigrams=greedy_bigrams(model, [prompt], 12))
     proposer = DSparkProposer(draft, confidence_threshold=0.5)
@@ -162,7 +162,7 @@ def test_dspark_sampling_matches_verifier_distribution(small_vocab_verifier):
         steps += len(res.accepted)
         cut += sum(1 for p in res.proposed if p < 3)
     assert 0.1 * steps < accepted < 2.5 * steps and cut > 0, (accepted, steps, cut)  # accept, reject and cut ran
-    assert _chi2_pvalue(c2, m2) > 1e-3 and _chi2_pvalue(c3, m3) > 1e-3
+    assert chi2_pvalue(c2, m2) > 1e-3 and chi2_pvalue(c3, m3) > 1e-3
 
 
 @pytest.mark.slow
@@ -170,7 +170,7 @@ def test_dspark_matches_the_reference_decode_on_the_embedded_verifier(smollm2_di
     from tiny_speculators.evaluate.prompts import load_prompts, render_prompt
     from tiny_speculators.models.dspark.family import FAMILY
 
-    model = _load(smollm2_dir)
+    model = load_model(smollm2_dir)
     aux = FAMILY.default_aux_layer_ids(model.config.num_hidden_layers)
     prompts = [render_prompt(p, smollm2_tokenizer) for p in load_prompts("builtin", max_prompts=2)]
     draft = dspark_draft(model, aux, block_size=8, rank=64, bigrams=greedy_bigrams(model, prompts, 16))
@@ -179,7 +179,7 @@ def test_dspark_matches_the_reference_decode_on_the_embedded_verifier(smollm2_di
     for prompt in prompts:
         res = speculative_generate(target, proposer, prompt, k=8, max_new_tokens=16)
         tokens, accepted, proposed, _ = reference_decode(model, draft, prompt, 8, 16, 0.3)
-        assert res.tokens == tokens == _hf_greedy(model, prompt, 16)
+        assert res.tokens == tokens == hf_greedy(model, prompt, 16)
         assert res.accepted == accepted and res.proposed == proposed
 
 
@@ -192,7 +192,7 @@ def test_evaluate_stage_reports_verified_tokens_and_calibration(tiny_llama_dir, 
     from tiny_speculators.evaluate.stage import evaluate
     from tiny_speculators.models.checkpoint import save_draft
 
-    model = _load(tiny_llama_dir)
+    model = load_model(tiny_llama_dir)
     aux = [2, 4, 5]
     meta = {"verifier": {"name_or_path": str(tiny_llama_dir), "architectures": ["LlamaForCausalLM"],
                          "hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size}}

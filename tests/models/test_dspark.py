@@ -1,4 +1,4 @@
-"""DSpark: the heads pinned to their equations by a float64 reference (on top of test_dflash's reference backbone) and
+"""DSpark: the heads pinned to their equations by a float64 reference (over dflash_fixtures' reference backbone) and
 fixed numbers, the CE + TV + BCE objective recomputed block by block with the inference forward, the warm start from
 DFlash, the confidence cut, the proposer against a plain-loop chain, and importing a speculators-written checkpoint."""
 
@@ -9,8 +9,8 @@ import math
 
 import pytest
 import torch
+from dflash_fixtures import MASK, WIDTH, dflash_batch, reference_hidden, speculators_dflash_checkpoint, tiny_dflash
 from draft_fixtures import DRAFT_VOCAB, VOCAB, fixed_init, tiny_kwargs
-from test_dflash import MASK, WIDTH, _batch, reference_hidden, tiny_dflash
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.dspark.family import DSparkOptions, from_dflash
@@ -112,7 +112,7 @@ def test_loss_is_ce_tv_bce_per_valid_prediction(sample_from_anchor, weights):
     head = torch.nn.Linear(16, VOCAB, bias=False)
     torch.nn.init.normal_(head.weight, std=0.5)
     obj = DSparkObjective(draft, head, anchors=100, gamma=2.0, loss=LossSpec(position_weights=weights)).eval()
-    ids, aux, mask, _ = _batch(b=1, t=11)
+    ids, aux, mask, _ = dflash_batch(b=1, t=11)
     mask[0, 8] = 0  # a gap: predictions past it do not count (contiguous prefix)
     last = torch.eye(16)[None, :11]  # row r's verifier logits are head.weight[:, r]
     n_pred, first = (4, 0) if sample_from_anchor else (3, 1)
@@ -157,7 +157,7 @@ def test_training_step_reaches_every_head():
     draft = tiny_dspark(block_size=4, kind="gated")
     head = torch.nn.Linear(16, VOCAB, bias=False)
     obj = DSparkObjective(draft, head, anchors=3, gamma=4.0)
-    ids, aux, mask, doc = _batch(t=30, packed=True)
+    ids, aux, mask, doc = dflash_batch(t=30, packed=True)
     batch = {"input_ids": ids, "aux_hidden_states": aux, "loss_mask": mask, "document_ids": doc,
              "last_hidden_state": torch.randn(2, 30, 16)}
     torch.manual_seed(0)
@@ -215,7 +215,7 @@ def reference_chain(draft: DSparkDraft, aux, n_ctx: int, bonus: int, k: int):
 @pytest.mark.parametrize("sample_from_anchor", [True, False])
 def test_proposer_matches_the_reference_chain_and_cuts_on_confidence(sample_from_anchor):
     draft = tiny_dspark(block_size=5, sample_from_anchor=sample_from_anchor).eval()
-    ids, aux, _, _ = _batch(b=1, t=14)
+    ids, aux, _, _ = dflash_batch(b=1, t=14)
     ids, aux = ids[0], aux[0]
     prop = DSparkProposer(draft)
     prop.commit(ids[1:7].tolist(), aux[:6], 0)  # verified positions 0..5; bonus x_6 at position 6
@@ -243,9 +243,8 @@ def _speculators_dspark(folder, verifier_dir, rank=8, conf_in_extra=True, **top)
     """The layout speculators writes for a full-vocabulary DSpark draft: DFlash's (no embed_tokens / lm_head) plus
     ``markov_head.markov_w{1,2}`` and ``confidence_head.proj``."""
     from safetensors.torch import load_file, save_file
-    from test_dflash import _speculators_checkpoint
 
-    _speculators_checkpoint(folder, verifier_dir)
+    speculators_dflash_checkpoint(folder, verifier_dir)
     w = load_file(str(folder / "model.safetensors"))
     vc = json.loads((verifier_dir / "config.json").read_text())
     g = torch.Generator().manual_seed(1)

@@ -23,9 +23,9 @@ from tiny_speculators.models.family import (
     ExportInfo,
     Objective,
     Proposer,
-    parse_options,
 )
 from tiny_speculators.models.importing import import_draft, load_draft
+from tiny_speculators.options import parse_options
 
 AUX = [2, 4, 5]
 

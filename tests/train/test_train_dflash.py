@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_train_invariants import _assert_same, _common, _weights
 from train_checks import ddp_equals_one, offline_equals_online, resume_equals_uninterrupted
+from train_runs import assert_same, load_weights, train_args
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.train.stage import train
@@ -34,17 +34,17 @@ def test_dflash_offline_and_online_agree(tiny_inputs, tmp_path):
 def test_dflash_init_from_its_export_and_family_mismatch(tiny_inputs, tmp_path):
     from tiny_speculators.export.stage import export
 
-    train(**_common(tiny_inputs, tmp_path / "a", max_steps=3, batch_size=2, algorithm="dflash", dflash=SMALL))
+    train(**train_args(tiny_inputs, tmp_path / "a", max_steps=3, batch_size=2, algorithm="dflash", dflash=SMALL))
     summary = export(tmp_path / "a", out=tmp_path / "exported")
     assert summary["algorithm"] == "dflash" and summary["speculative_tokens"] == 3
     assert summary["vllm_speculative_config"]["method"] == "dflash"
     cfg = json.loads((tmp_path / "exported" / "config.json").read_text())
     assert cfg["speculators_model_type"] == "dflash" and cfg["block_size"] == 4
     assert cfg["transformer_layer_config"]["num_hidden_layers"] == 2 and cfg["sliding_window_non_causal"] is True
-    train(**_common(tiny_inputs, tmp_path / "b", max_steps=1, batch_size=2, lr=0.0, algorithm="dflash",
+    train(**train_args(tiny_inputs, tmp_path / "b", max_steps=1, batch_size=2, lr=0.0, algorithm="dflash",
                     dflash=SMALL, init_from=tmp_path / "exported"))
-    _assert_same(_weights(tmp_path / "b"), _weights(tmp_path / "a"), atol=0)
+    assert_same(load_weights(tmp_path / "b"), load_weights(tmp_path / "a"), atol=0)
     with pytest.raises(UserError, match="is a dflash draft, this run trains eagle3"):
-        train(**_common(tiny_inputs, tmp_path / "c", max_steps=1, batch_size=2, init_from=tmp_path / "exported"))
+        train(**train_args(tiny_inputs, tmp_path / "c", max_steps=1, batch_size=2, init_from=tmp_path / "exported"))
     with pytest.raises(UserError, match="DFlash trains with --attention sdpa"):
-        train(**_common(tiny_inputs, tmp_path / "d", max_steps=1, algorithm="dflash", attention="flex"))
+        train(**train_args(tiny_inputs, tmp_path / "d", max_steps=1, algorithm="dflash", attention="flex"))

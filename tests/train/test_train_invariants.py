@@ -5,75 +5,35 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from train_runs import ENV, assert_same, load_weights, one_thread, sigterm_when, train_args, train_cli
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.train.stage import train
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def _common(inputs, out: Path, **kw) -> dict:
-    args = dict(verifier=str(inputs.verifier), vocab=inputs.vocab, out=out, hidden_states=inputs.hidden_states,
-                eval_fraction=0.0, lr=1e-2, warmup_steps=0, progress=False, seed=3, save_every=0)
-    args.update(kw)
-    return args
-
-
-class one_thread:
-    """Run the in-process side of a DDP comparison on one torch thread, as the torchrun ranks do
-    (``ENV`` sets OMP_NUM_THREADS=1): the same summation order, so only DDP's own arithmetic differs."""
-
-    def __enter__(self) -> None:
-        self.threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-
-    def __exit__(self, *exc) -> None:
-        torch.set_num_threads(self.threads)
-
-
-def _weights(out: Path, name: str = "final") -> dict[str, torch.Tensor]:
-    return load_file(str(out / name / "model.safetensors"))
-
-
-def _assert_same(a: dict, b: dict, atol: float = 2e-6) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=f"parameter {k}")
-
-
-def _cli(inputs, out: Path, *extra: str, torchrun: int = 0) -> list[str]:
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={torchrun}"] if torchrun else \
-        [sys.executable]
-    return [*launcher, "-m", "tiny_speculators.cli", "train", "--verifier", str(inputs.verifier), "--vocab",
-            str(inputs.vocab), "--hidden-states", str(inputs.hidden_states), "--out", str(out), "--eval-fraction",
-            "0", "--lr", "1e-2", "--seed", "3", "--no-progress", *extra]
-
 
 def test_grad_accum_equals_bigger_batch(tiny_inputs, tmp_path):
-    train(**_common(tiny_inputs, tmp_path / "a", max_steps=2, batch_size=1, grad_accum=2))
-    train(**_common(tiny_inputs, tmp_path / "b", max_steps=2, batch_size=2, grad_accum=1))
-    _assert_same(_weights(tmp_path / "a"), _weights(tmp_path / "b"))
+    train(**train_args(tiny_inputs, tmp_path / "a", max_steps=2, batch_size=1, grad_accum=2))
+    train(**train_args(tiny_inputs, tmp_path / "b", max_steps=2, batch_size=2, grad_accum=1))
+    assert_same(load_weights(tmp_path / "a"), load_weights(tmp_path / "b"))
     rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["grad_norm"] > 1e-3 for r in rows)  # not vacuous: both steps moved the weights (lr 1e-2, AdamW)
 
 
 def test_ddp_two_processes_equal_one(tiny_inputs, tmp_path):
     with one_thread():
-        single = train(**_common(tiny_inputs, tmp_path / "one", max_steps=2, batch_size=2))
-    subprocess.run(_cli(tiny_inputs, tmp_path / "ddp", "--max-steps", "2", "--batch-size", "1", torchrun=2),
+        single = train(**train_args(tiny_inputs, tmp_path / "one", max_steps=2, batch_size=2))
+    subprocess.run(train_cli(tiny_inputs, tmp_path / "ddp", "--max-steps", "2", "--batch-size", "1", torchrun=2),
                    check=True, env=ENV, capture_output=True, timeout=300)
-    _assert_same(_weights(tmp_path / "one"), _weights(tmp_path / "ddp"))
+    assert_same(load_weights(tmp_path / "one"), load_weights(tmp_path / "ddp"))
     ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert ddp["world_size"] == 2
     assert ddp["final_train"]["loss"] == pytest.approx(single["final_train"]["loss"], rel=1e-5)
@@ -112,13 +72,13 @@ def test_two_nodes_equal_one_process(tiny_inputs, tmp_path, fsdp):
     from tiny_speculators.serving import free_port
 
     with one_thread():
-        train(**_common(tiny_inputs, tmp_path / "one", max_steps=2, batch_size=2))
+        train(**train_args(tiny_inputs, tmp_path / "one", max_steps=2, batch_size=2))
     extra = ("--fsdp",) if fsdp else ()
-    cmd = _cli(tiny_inputs, tmp_path / "nodes", "--max-steps", "2", "--batch-size", "1", *extra, torchrun=1)
+    cmd = train_cli(tiny_inputs, tmp_path / "nodes", "--max-steps", "2", "--batch-size", "1", *extra, torchrun=1)
     outputs = _two_node_agents(cmd, free_port(), tmp_path / "logs")
     assert [code for code, _ in outputs] == [0, 0], "\n".join(f"agent {i} exited {code}:\n{err[-3000:]}"
                                                            for i, (code, err) in enumerate(outputs))
-    _assert_same(_weights(tmp_path / "one"), _weights(tmp_path / "nodes"))
+    assert_same(load_weights(tmp_path / "one"), load_weights(tmp_path / "nodes"))
     assert json.loads((tmp_path / "nodes" / "summary.json").read_text())["world_size"] == 2
 
 
@@ -136,7 +96,8 @@ def test_ranks_split_the_checksum_pass_and_all_stop_on_a_bad_shard(tiny_inputs, 
     data = bytearray(bad.read_bytes())
     data[-10] ^= 0xFF
     bad.write_bytes(bytes(data))
-    cmd = _cli(dataclasses.replace(tiny_inputs, hidden_states=hs), tmp_path / "run", "--max-steps", "1", torchrun=2)
+    cmd = train_cli(dataclasses.replace(tiny_inputs, hidden_states=hs), tmp_path / "run", "--max-steps", "1",
+                    torchrun=2)
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert done.stderr.count(f"shard {bad} is corrupted") == 2, done.stderr[-3000:]
@@ -145,10 +106,10 @@ def test_ranks_split_the_checksum_pass_and_all_stop_on_a_bad_shard(tiny_inputs, 
 
 @pytest.mark.slow
 def test_fsdp_two_processes_equal_one(tiny_inputs, tmp_path):
-    train(**_common(tiny_inputs, tmp_path / "one", max_steps=2, batch_size=2))
-    subprocess.run(_cli(tiny_inputs, tmp_path / "fsdp", "--max-steps", "2", "--batch-size", "1", "--fsdp",
+    train(**train_args(tiny_inputs, tmp_path / "one", max_steps=2, batch_size=2))
+    subprocess.run(train_cli(tiny_inputs, tmp_path / "fsdp", "--max-steps", "2", "--batch-size", "1", "--fsdp",
                         torchrun=2), check=True, env=ENV, capture_output=True, timeout=300)
-    _assert_same(_weights(tmp_path / "one"), _weights(tmp_path / "fsdp"))
+    assert_same(load_weights(tmp_path / "one"), load_weights(tmp_path / "fsdp"))
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
@@ -162,33 +123,20 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
         time.sleep(0.02)
 
 
-def _sigterm_when(path: Path) -> threading.Thread:
-    """Send this process SIGTERM once ``path`` exists (the handler runs in the main thread, in the loop)."""
-    def watch() -> None:
-        t0 = time.time()
-        while not path.exists() and time.time() - t0 < 300:
-            time.sleep(0.01)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
-
-
 def test_kill9_then_resume_equals_uninterrupted(tiny_inputs, tmp_path):
     from tiny_speculators.train.checkpoint import list_checkpoints
 
     out = tmp_path / "run"
     # 1) a CLI run, SIGKILLed once its step-2 checkpoint exists
-    p = subprocess.Popen(_cli(tiny_inputs, out, "--max-steps", "8", "--batch-size", "2", "--save-every", "2",
+    p = subprocess.Popen(train_cli(tiny_inputs, out, "--max-steps", "8", "--batch-size", "2", "--save-every", "2",
                               "--keep-last", "2"), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(out / "step_000002", p)
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=60)
     assert not (out / "final").exists(), "the run finished before it could be killed"
     # 2) resume; SIGTERM after the step-4 checkpoint: it checkpoints the step it reached, then stops
-    args = _common(tiny_inputs, out, max_steps=8, batch_size=2, save_every=2, keep_last=2, resume=True)
-    watcher = _sigterm_when(out / "step_000004")
+    args = train_args(tiny_inputs, out, max_steps=8, batch_size=2, save_every=2, keep_last=2, resume=True)
+    watcher = sigterm_when(out / "step_000004")
     with pytest.raises(KeyboardInterrupt):
         train(**args)
     watcher.join()
@@ -196,9 +144,9 @@ def test_kill9_then_resume_equals_uninterrupted(tiny_inputs, tmp_path):
     assert len(ckpts) <= 2 and 4 <= ckpts[-1] < 8
     # 3) resume to the end; compare with an uninterrupted run
     train(**args)
-    train(**_common(tiny_inputs, tmp_path / "straight", max_steps=8, batch_size=2, save_every=2))
-    _assert_same(_weights(out), _weights(tmp_path / "straight"))
-    _assert_same(_weights(out, "step_000008"), _weights(tmp_path / "straight", "step_000008"))
+    train(**train_args(tiny_inputs, tmp_path / "straight", max_steps=8, batch_size=2, save_every=2))
+    assert_same(load_weights(out), load_weights(tmp_path / "straight"))
+    assert_same(load_weights(out, "step_000008"), load_weights(tmp_path / "straight", "step_000008"))
     opt_a = torch.load(out / "step_000008" / "optimizer.pt", weights_only=True)
     opt_b = torch.load(tmp_path / "straight" / "step_000008" / "optimizer.pt", weights_only=True)
     for i, st in opt_b["optimizer"]["state"].items():
@@ -208,18 +156,18 @@ def test_kill9_then_resume_equals_uninterrupted(tiny_inputs, tmp_path):
 
 
 def test_offline_and_online_first_step_loss_agree(tiny_inputs, tmp_path):
-    off = train(**_common(tiny_inputs, tmp_path / "off", max_steps=1, batch_size=2))
-    on = train(**_common(tiny_inputs, tmp_path / "on", max_steps=1, batch_size=2, hidden_states=None,
+    off = train(**train_args(tiny_inputs, tmp_path / "off", max_steps=1, batch_size=2))
+    on = train(**train_args(tiny_inputs, tmp_path / "on", max_steps=1, batch_size=2, hidden_states=None,
                          data=tiny_inputs.prepared, online=True))
     assert off["final_train"]["positions"] == on["final_train"]["positions"] > 0
     assert on["final_train"]["loss"] == pytest.approx(off["final_train"]["loss"], rel=1e-4)
-    _assert_same(_weights(tmp_path / "off"), _weights(tmp_path / "on"), atol=1e-5)
+    assert_same(load_weights(tmp_path / "off"), load_weights(tmp_path / "on"), atol=1e-5)
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_inputs, tmp_path):
     out = tmp_path / "nan"
     with pytest.raises(UserError, match="loss became"):
-        train(**_common(tiny_inputs, out, max_steps=20, batch_size=2, save_every=1, lr=1e30, max_grad_norm=0))
+        train(**train_args(tiny_inputs, out, max_steps=20, batch_size=2, save_every=1, lr=1e30, max_grad_norm=0))
     from tiny_speculators.train.checkpoint import latest_checkpoint
 
     last = latest_checkpoint(out)
@@ -231,10 +179,10 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_inputs, tmp_path):
 
 def test_bad_arguments_are_user_errors(tiny_inputs, tmp_path):
     with pytest.raises(UserError, match="online"):
-        train(**_common(tiny_inputs, tmp_path / "x", max_steps=1, data=tiny_inputs.prepared))
-    train(**_common(tiny_inputs, tmp_path / "y", max_steps=1, batch_size=2))
+        train(**train_args(tiny_inputs, tmp_path / "x", max_steps=1, data=tiny_inputs.prepared))
+    train(**train_args(tiny_inputs, tmp_path / "y", max_steps=1, batch_size=2))
     with pytest.raises(UserError, match="already holds checkpoints"):
-        train(**_common(tiny_inputs, tmp_path / "y", max_steps=1, batch_size=2))
+        train(**train_args(tiny_inputs, tmp_path / "y", max_steps=1, batch_size=2))
 
 
 def test_init_from_continues_from_a_trained_and_exported_draft(tiny_inputs, tmp_path):
@@ -242,14 +190,14 @@ def test_init_from_continues_from_a_trained_and_exported_draft(tiny_inputs, tmp_
     and the first step's loss is the trained draft's, far below a fresh draft's."""
     from tiny_speculators.export.stage import export
 
-    fresh = train(**_common(tiny_inputs, tmp_path / "a", max_steps=12, batch_size=2))
+    fresh = train(**train_args(tiny_inputs, tmp_path / "a", max_steps=12, batch_size=2))
     export(tmp_path / "a" / "final", out=tmp_path / "exported", format="speculators")
-    trained = _weights(tmp_path / "a")
+    trained = load_weights(tmp_path / "a")
     first_loss = {}
     for name, source in (("ckpt", tmp_path / "a"), ("speculators", tmp_path / "exported")):
         out = tmp_path / f"from-{name}"
-        train(**_common(tiny_inputs, out, max_steps=1, batch_size=2, lr=0.0, init_from=source))
-        _assert_same(_weights(out), trained, atol=0)
+        train(**train_args(tiny_inputs, out, max_steps=1, batch_size=2, lr=0.0, init_from=source))
+        assert_same(load_weights(out), trained, atol=0)
         first_loss[name] = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["train/loss"]
     start = json.loads((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[0])["train/loss"]
     assert first_loss["ckpt"] == pytest.approx(first_loss["speculators"], rel=1e-6)
@@ -259,10 +207,10 @@ def test_init_from_continues_from_a_trained_and_exported_draft(tiny_inputs, tmp_
 def test_init_from_with_another_vocabulary_is_a_user_error(tiny_inputs, tmp_path):
     from tiny_speculators.data.vocab import vocab
 
-    train(**_common(tiny_inputs, tmp_path / "a", max_steps=1, batch_size=2))
+    train(**train_args(tiny_inputs, tmp_path / "a", max_steps=1, batch_size=2))
     vocab(data=tiny_inputs.prepared, out=tmp_path / "vocab128", size=128)
     with pytest.raises(UserError, match="different draft vocabulary"):
-        train(**_common(tiny_inputs, tmp_path / "b", max_steps=1, batch_size=2, init_from=tmp_path / "a",
+        train(**train_args(tiny_inputs, tmp_path / "b", max_steps=1, batch_size=2, init_from=tmp_path / "a",
                         vocab=tmp_path / "vocab128"))
 
 
@@ -270,18 +218,18 @@ def test_init_from_with_another_shape_or_an_init_option_is_a_user_error(tiny_inp
     """The draft started from keeps its shape and weights: a shape option set to another value is refused, as is
     an option that initializes a fresh draft; a shape option left at its default takes the draft's (a 2-layer draft
     continues as 2 layers)."""
-    train(**_common(tiny_inputs, tmp_path / "a", max_steps=1, batch_size=2))
+    train(**train_args(tiny_inputs, tmp_path / "a", max_steps=1, batch_size=2))
     with pytest.raises(UserError, match=r"has num_layers 1, this run sets eagle3.num_layers 2: a draft started"):
-        train(**_common(tiny_inputs, tmp_path / "b", max_steps=1, batch_size=2, init_from=tmp_path / "a",
+        train(**train_args(tiny_inputs, tmp_path / "b", max_steps=1, batch_size=2, init_from=tmp_path / "a",
                         eagle3={"num_layers": 2}))
     with pytest.raises(UserError, match=r"has fc_norm False, this run sets eagle3.fc_norm True"):
-        train(**_common(tiny_inputs, tmp_path / "c", max_steps=1, batch_size=2, init_from=tmp_path / "a",
+        train(**train_args(tiny_inputs, tmp_path / "c", max_steps=1, batch_size=2, init_from=tmp_path / "a",
                         eagle3={"fc_norm": True}))
     with pytest.raises(UserError, match=r"gives the draft's weights, so eagle3.init verifier would have no effect"):
-        train(**_common(tiny_inputs, tmp_path / "e", max_steps=1, batch_size=2, init_from=tmp_path / "a",
+        train(**train_args(tiny_inputs, tmp_path / "e", max_steps=1, batch_size=2, init_from=tmp_path / "a",
                         eagle3={"init": "verifier"}))
-    train(**_common(tiny_inputs, tmp_path / "two", max_steps=1, batch_size=2, eagle3={"num_layers": 2}))
-    train(**_common(tiny_inputs, tmp_path / "d", max_steps=1, batch_size=2, init_from=tmp_path / "two"))
+    train(**train_args(tiny_inputs, tmp_path / "two", max_steps=1, batch_size=2, eagle3={"num_layers": 2}))
+    train(**train_args(tiny_inputs, tmp_path / "d", max_steps=1, batch_size=2, init_from=tmp_path / "two"))
     config = json.loads((tmp_path / "d" / "final" / "draft_config.json").read_text())
     assert config["kwargs"]["num_layers"] == 2, config
 
@@ -291,11 +239,11 @@ def test_offline_subset_of_stored_layers_equals_online(tiny_inputs, tmp_path):
     order) sees the same states as online training on those layers; a layer that is not stored is refused."""
     stored = json.loads((tiny_inputs.hidden_states / "manifest.json").read_text())["aux_layer_ids"]
     subset = [stored[-1], stored[0]]
-    off = train(**_common(tiny_inputs, tmp_path / "off", max_steps=1, batch_size=2, aux_layer_ids=subset))
-    on = train(**_common(tiny_inputs, tmp_path / "on", max_steps=1, batch_size=2, hidden_states=None,
+    off = train(**train_args(tiny_inputs, tmp_path / "off", max_steps=1, batch_size=2, aux_layer_ids=subset))
+    on = train(**train_args(tiny_inputs, tmp_path / "on", max_steps=1, batch_size=2, hidden_states=None,
                          data=tiny_inputs.prepared, online=True, aux_layer_ids=subset))
     assert json.loads((tmp_path / "off" / "final" / "draft_config.json").read_text())["kwargs"][
         "aux_layer_ids"] == subset
     assert on["final_train"]["loss"] == pytest.approx(off["final_train"]["loss"], rel=1e-4)
     with pytest.raises(UserError, match=r"not stored in .*manifest.json holds"):
-        train(**_common(tiny_inputs, tmp_path / "bad", max_steps=1, aux_layer_ids=[max(stored) + 1]))
+        train(**train_args(tiny_inputs, tmp_path / "bad", max_steps=1, aux_layer_ids=[max(stored) + 1]))

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_train_invariants import _common
 from train_checks import ddp_equals_one, resume_equals_uninterrupted
 from train_inputs import build_inputs, make_chats
+from train_runs import train_args
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.train.stage import train
@@ -29,13 +29,13 @@ def mimo_inputs(tmp_path_factory, tiny_mimo_dir):
 
 
 def test_mtp_offline_and_online_agree_and_learn(mimo_inputs, tmp_path):
-    off = train(**_common(mimo_inputs, tmp_path / "off", max_steps=1, batch_size=2, algorithm="mtp", mtp=MTP))
-    on = train(**_common(mimo_inputs, tmp_path / "on", max_steps=1, batch_size=2, hidden_states=None,
+    off = train(**train_args(mimo_inputs, tmp_path / "off", max_steps=1, batch_size=2, algorithm="mtp", mtp=MTP))
+    on = train(**train_args(mimo_inputs, tmp_path / "on", max_steps=1, batch_size=2, hidden_states=None,
                          data=mimo_inputs.prepared, online=True, algorithm="mtp", mtp=MTP))
     assert on["final_train"]["positions"] == off["final_train"]["positions"] > 0
     assert on["final_train"]["loss"] == pytest.approx(off["final_train"]["loss"], rel=1e-5)
     first = json.loads((tmp_path / "off" / "metrics.jsonl").read_text().splitlines()[0])
-    long = train(**_common(mimo_inputs, tmp_path / "long", max_steps=12, batch_size=4, lr=3e-3, algorithm="mtp",
+    long = train(**train_args(mimo_inputs, tmp_path / "long", max_steps=12, batch_size=4, lr=3e-3, algorithm="mtp",
                            mtp=MTP))
     assert long["final_train"]["loss"] < 0.8 * first["train/loss"]
     assert len(long["final_train"]["acc"]) == 3 and long["final_train"]["accept_len"] >= 1.0
@@ -58,9 +58,9 @@ def test_mtp_refuses_topk_extraction_and_exports_stitched(mimo_inputs, tmp_path)
     extract(verifier=str(mimo_inputs.verifier), data=mimo_inputs.prepared, out=tmp_path / "topk", dtype="float32",
             device="cpu", progress=False, layout="topk", topk=8)
     with pytest.raises(UserError, match="top-k extract layouts drop: extract with --layout full or fp8"):
-        train(**_common(mimo_inputs, tmp_path / "t", max_steps=1, batch_size=2, hidden_states=tmp_path / "topk",
+        train(**train_args(mimo_inputs, tmp_path / "t", max_steps=1, batch_size=2, hidden_states=tmp_path / "topk",
                         algorithm="mtp", mtp=MTP))
-    train(**_common(mimo_inputs, tmp_path / "a", max_steps=1, batch_size=2, algorithm="mtp", mtp=MTP))
+    train(**train_args(mimo_inputs, tmp_path / "a", max_steps=1, batch_size=2, algorithm="mtp", mtp=MTP))
     summary = export(tmp_path / "a", out=tmp_path / "exported")
     assert summary["format"] == "verifier-mtp" and summary["speculative_tokens"] == 3
     assert '"method": "mtp"' in summary["serve"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_train_invariants import _assert_same, _common, _weights
 from train_checks import ddp_equals_one, offline_equals_online, resume_equals_uninterrupted
+from train_runs import assert_same, load_weights, train_args
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.train.stage import train
@@ -33,16 +33,16 @@ def test_peagle_offline_and_online_agree(tiny_inputs, tmp_path):
 def test_peagle_init_from_its_export_and_family_mismatch(tiny_inputs, tmp_path):
     from tiny_speculators.export.stage import export
 
-    train(**_common(tiny_inputs, tmp_path / "a", max_steps=3, batch_size=2, algorithm="peagle", peagle=SMALL))
+    train(**train_args(tiny_inputs, tmp_path / "a", max_steps=3, batch_size=2, algorithm="peagle", peagle=SMALL))
     summary = export(tmp_path / "a", out=tmp_path / "exported")
     assert summary["algorithm"] == "peagle" and summary["speculative_tokens"] == 3
     assert summary["vllm_speculative_config"]["parallel_drafting"] is True
     cfg = json.loads((tmp_path / "exported" / "config.json").read_text())
     assert cfg["speculators_model_type"] == "peagle" and cfg["transformer_layer_config"]["num_hidden_layers"] == 2
-    train(**_common(tiny_inputs, tmp_path / "b", max_steps=1, batch_size=2, lr=0.0, algorithm="peagle",
+    train(**train_args(tiny_inputs, tmp_path / "b", max_steps=1, batch_size=2, lr=0.0, algorithm="peagle",
                     peagle=SMALL, init_from=tmp_path / "exported"))
-    _assert_same(_weights(tmp_path / "b"), _weights(tmp_path / "a"), atol=0)
+    assert_same(load_weights(tmp_path / "b"), load_weights(tmp_path / "a"), atol=0)
     with pytest.raises(UserError, match="is a peagle draft, this run trains eagle3"):
-        train(**_common(tiny_inputs, tmp_path / "c", max_steps=1, batch_size=2, init_from=tmp_path / "exported"))
+        train(**train_args(tiny_inputs, tmp_path / "c", max_steps=1, batch_size=2, init_from=tmp_path / "exported"))
     with pytest.raises(UserError, match="options for peagle given, but the algorithm is 'eagle3'"):
-        train(**_common(tiny_inputs, tmp_path / "d", max_steps=1, peagle=SMALL))
+        train(**train_args(tiny_inputs, tmp_path / "d", max_steps=1, peagle=SMALL))

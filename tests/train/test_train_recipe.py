@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 import torch
-from test_train_invariants import ENV, _assert_same, _cli, _common, _sigterm_when, _weights, one_thread
+from train_runs import ENV, assert_same, load_weights, one_thread, sigterm_when, train_args, train_cli
 
 from tiny_speculators.cli import main
 from tiny_speculators.errors import UserError
@@ -43,15 +43,15 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
 
 def test_resume_with_the_whole_recipe_equals_uninterrupted(tiny_inputs, tmp_path):
     out = tmp_path / "run"
-    args = _common(tiny_inputs, out, max_steps=4, batch_size=2, save_every=2, keep_last=0, **RECIPE)
-    watcher = _sigterm_when(out / "step_000002")
+    args = train_args(tiny_inputs, out, max_steps=4, batch_size=2, save_every=2, keep_last=0, **RECIPE)
+    watcher = sigterm_when(out / "step_000002")
     with pytest.raises(KeyboardInterrupt):
         train(**args)
     watcher.join()
     train(**{**args, "resume": True})
     straight = tmp_path / "straight"
-    summary = train(**_common(tiny_inputs, straight, max_steps=4, batch_size=2, save_every=2, **RECIPE))
-    _assert_same(_weights(out), _weights(straight), atol=0)
+    summary = train(**train_args(tiny_inputs, straight, max_steps=4, batch_size=2, save_every=2, **RECIPE))
+    assert_same(load_weights(out), load_weights(straight), atol=0)
     a = torch.load(out / "step_000004" / "optimizer.pt", weights_only=True)["optimizer"]["optimizers"]
     b = torch.load(straight / "step_000004" / "optimizer.pt", weights_only=True)["optimizer"]["optimizers"]
     assert any("momentum_buffer" in st for st in b[0]["state"].values())  # Muon's state is in the checkpoint
@@ -78,9 +78,9 @@ def test_aux_noise_is_seeded_and_only_in_training(tiny_inputs, tmp_path):
     assert torch.equal(batch["aux_hidden_states"], torch.zeros(1, 4, 6, dtype=torch.bfloat16))  # not in place
     runs = {}
     for name, std in (("a", 0.05), ("b", 0.05), ("clean", 0.0)):
-        runs[name] = train(**_common(tiny_inputs, tmp_path / name, max_steps=2, batch_size=2, aux_noise_std=std,
+        runs[name] = train(**train_args(tiny_inputs, tmp_path / name, max_steps=2, batch_size=2, aux_noise_std=std,
                                      eval_fraction=0.25))
-    _assert_same(_weights(tmp_path / "a"), _weights(tmp_path / "b"), atol=0)
+    assert_same(load_weights(tmp_path / "a"), load_weights(tmp_path / "b"), atol=0)
     assert runs["a"]["final_train"]["loss"] != runs["clean"]["final_train"]["loss"]
 
 
@@ -90,7 +90,7 @@ def test_all_loss_positions_supervise_every_real_token_in_training_only(tiny_inp
     assert with_loss_positions(padded, "answer") is padded
     assert with_loss_positions(padded, "all")["loss_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
     assert padded["loss_mask"].tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]  # not in place
-    runs = {name: train(**_common(tiny_inputs, tmp_path / name, max_steps=1, batch_size=2, eval_fraction=0.25,
+    runs = {name: train(**train_args(tiny_inputs, tmp_path / name, max_steps=1, batch_size=2, eval_fraction=0.25,
                                   loss_positions=name))
             for name in ("answer", "all")}
     # the same first batch, more of its positions supervised (the chat template and the user's turns) ...
@@ -102,32 +102,32 @@ def test_all_loss_positions_supervise_every_real_token_in_training_only(tiny_inp
 
 def test_frozen_parameters_keep_their_values_and_the_rest_trains(tiny_inputs, tmp_path):
     out = tmp_path / "frozen"
-    summary = train(**_common(tiny_inputs, out, max_steps=2, batch_size=2, save_every=1, keep_last=0,
+    summary = train(**train_args(tiny_inputs, out, max_steps=2, batch_size=2, save_every=1, keep_last=0,
                               freeze=["lm_head", "layers.0.mlp"]))
-    first, second = _weights(out, "step_000001"), _weights(out, "step_000002")
+    first, second = load_weights(out, "step_000001"), load_weights(out, "step_000002")
     frozen = {k for k in first if k.startswith(("lm_head.", "layers.0.mlp."))}
     assert len(frozen) == 4  # lm_head + gate, up, down
     for k in first:
         assert torch.equal(first[k], second[k]) == (k in frozen or k.startswith(("embed_tokens.", "d2t", "t2d"))), k
     assert summary["recipe"]["freeze"] == ["lm_head", "layers.0.mlp"]
-    args = _common(tiny_inputs, out, max_steps=3, batch_size=2, save_every=1, keep_last=0, resume=True)
+    args = train_args(tiny_inputs, out, max_steps=3, batch_size=2, save_every=1, keep_last=0, resume=True)
     with pytest.raises(UserError, match=r"trained with --freeze lm_head layers.0.mlp; resume with the same"):
         train(**args)  # the optimizer holds the trained parameters only: another set cannot resume it
     with pytest.raises(UserError, match=r"--freeze layers.0.mpl: the draft has no parameter of that name \(trainable"):
-        train(**_common(tiny_inputs, tmp_path / "typo", max_steps=1, batch_size=2, freeze=["layers.0.mpl"]))
+        train(**train_args(tiny_inputs, tmp_path / "typo", max_steps=1, batch_size=2, freeze=["layers.0.mpl"]))
 
 
 def test_muon_under_ddp_and_fsdp2_matches_one_process_to_bf16(tiny_inputs, tmp_path):
     """torch.optim.Muon's Newton-Schulz runs in bf16 (FSDP2: on the sharded DTensors, as the full matrices), so the
     parallel runs agree with one process only to bf16 rounding, not exactly."""
     with one_thread():
-        train(**_common(tiny_inputs, tmp_path / "one", max_steps=1, batch_size=2, optimizer="muon"))
-    one = _weights(tmp_path / "one")
+        train(**train_args(tiny_inputs, tmp_path / "one", max_steps=1, batch_size=2, optimizer="muon"))
+    one = load_weights(tmp_path / "one")
     for mode in ("--no-fsdp", "--fsdp"):
-        subprocess.run(_cli(tiny_inputs, tmp_path / mode, "--max-steps", "1", "--batch-size", "1", mode,
+        subprocess.run(train_cli(tiny_inputs, tmp_path / mode, "--max-steps", "1", "--batch-size", "1", mode,
                             "--optimizer", "muon", "--save-every", "1", torchrun=2),
                        check=True, env=ENV, capture_output=True, timeout=300)
-        _assert_same(one, _weights(tmp_path / mode), atol=1e-2)
+        assert_same(one, load_weights(tmp_path / mode), atol=1e-2)
         state = torch.load(tmp_path / mode / "step_000001" / "optimizer.pt", weights_only=True)["optimizer"]
         assert state, mode
 

@@ -122,20 +122,14 @@ def _read_csv(path: Path, field: str | None, skip: int) -> Iterator[Record]:
     delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
     with open(path, newline="", encoding="utf-8", errors="surrogateescape") as f:
         reader = csv.reader(f, delimiter=delimiter)
-        try:
-            header = next(reader)
-        except StopIteration:
+        header = _next_row(reader, f"{path} is not a readable CSV file")
+        if header is None:
             return
-        except csv.Error as e:
-            raise UserError(f"{path} is not a readable CSV file ({e})") from None
         while True:
             start = reader.line_num + 1
-            try:
-                row = next(reader)
-            except StopIteration:
+            row = _next_row(reader, f"{path}:{start}: not a readable CSV row")
+            if row is None:
                 return
-            except csv.Error as e:
-                raise UserError(f"{path}:{start}: not a readable CSV row ({e})") from None
             if not any(cell.strip() for cell in row):
                 continue
             if skip:
@@ -146,6 +140,16 @@ def _read_csv(path: Path, field: str | None, skip: int) -> Iterator[Record]:
                     "invalid record", f"the row has {len(row)} cells, the header {len(header)}"))
                 continue
             yield _record(f"{path}:{start}", dict(zip(header, row, strict=True)), field)
+
+
+def _next_row(reader: Iterator[list[str]], error: str) -> list[str] | None:
+    """The reader's next row, None at the end; a row csv cannot parse is ``error`` (with csv's reason)."""
+    try:
+        return next(reader)
+    except StopIteration:
+        return None
+    except csv.Error as e:
+        raise UserError(f"{error} ({e})") from None
 
 
 def _read_dataset_dir(path: Path, field: str | None, skip: int) -> Iterator[Record]:

@@ -14,19 +14,16 @@ import torch
 from torch import nn
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.verifier.describe import config_value
 
 __all__ = ["check_against_verifier", "check_verifier", "check_vocab_maps", "copy_verifier_weights"]
 
 
-def _field(obj: Any, key: str) -> Any:
-    return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
-
-
 def check_against_verifier(draft_kwargs: Mapping[str, Any], verifier: Any, name: str) -> None:
     """UserError when the draft cannot run on this verifier (``verifier``: its text config or a recorded dict)."""
-    hidden = int(_field(verifier, "hidden_size") or 0)
-    vocab = int(_field(verifier, "vocab_size") or 0)
-    layers = _field(verifier, "num_hidden_layers")
+    hidden = int(config_value(verifier, "hidden_size") or 0)
+    vocab = int(config_value(verifier, "vocab_size") or 0)
+    layers = config_value(verifier, "num_hidden_layers")
     target_hidden = draft_kwargs.get("target_hidden_size") or draft_kwargs["hidden_size"]
     if hidden and hidden != target_hidden:
         raise UserError(f"verifier {name} has hidden size {hidden} but the draft was built for verifier hidden "

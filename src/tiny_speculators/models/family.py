@@ -26,7 +26,6 @@ A family is a frozen :class:`DraftFamily` of plain functions and types, listed i
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,11 +35,13 @@ import torch
 from torch import nn
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.options import options_from_record, options_record, parse_options
 from tiny_speculators.sampling import SamplingParams
 
+# options_record, parse_options: re-exported for tests/export/vllm_helpers.py; new code imports tiny_speculators.options
 __all__ = ["DEFAULT_SPECULATIVE_TOKENS", "DRAFT_KWARGS", "BuildInputs", "ConfidenceProposer", "DraftFamily",
            "DraftFormat", "DraftModel", "DraftTree", "ExportInfo", "Objective", "Proposer", "StepOutput", "TreeParams",
-           "mask_token_of", "parse_options", "resolve_layer_type"]
+           "mask_token_of", "options_record", "parse_options", "resolve_layer_type"]
 
 DEFAULT_SPECULATIVE_TOKENS = 3  # k when neither the user, the draft's record nor its training says otherwise
 
@@ -263,43 +264,3 @@ class DraftFamily:
                 return fmt
         raise UserError(f"a {self.name} draft cannot be written as {name!r} "
                         f"(its formats: {', '.join(f.name for f in self.formats)})")
-
-
-def parse_options(options_type: type, values: Mapping[str, Any] | Any | None, where: str) -> Any:
-    """A family's options dataclass from a YAML/CLI mapping; unknown keys and bad values name the key."""
-    from tiny_speculators.config import coerce
-
-    if values is None:
-        return options_type()
-    if isinstance(values, options_type):
-        return values
-    if not isinstance(values, Mapping):
-        raise UserError(f"{where} must be a mapping of option names to values, not {values!r}")
-    fields = {f.name: f for f in dataclasses.fields(options_type)}
-    hints = _type_hints(options_type)
-    clean = {str(k).replace("-", "_"): v for k, v in values.items()}
-    unknown = sorted(set(clean) - set(fields))
-    if unknown:
-        raise UserError(f"{where}: unknown option(s) {', '.join(unknown)} (known: {', '.join(fields)})")
-    kwargs = {k: coerce(v, hints[k], f"{where}.{k}") for k, v in clean.items()}
-    try:
-        return options_type(**kwargs)
-    except ValueError as e:  # __post_init__ range checks
-        raise UserError(f"{where}: {e}") from None
-
-
-def _type_hints(options_type: type) -> dict[str, Any]:
-    import typing
-
-    return typing.get_type_hints(options_type)
-
-
-def options_record(options: Any) -> dict[str, Any]:
-    """A family's options as a JSON-ready dict (for checkpoints and model cards)."""
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(options).items()}
-
-
-def options_from_record(options_type: type, record: Mapping[str, Any] | None) -> Any:
-    """The options a draft was trained with, from its ``trained_with`` record (other keys ignored)."""
-    names = {f.name for f in dataclasses.fields(options_type)}
-    return parse_options(options_type, {k: v for k, v in (record or {}).items() if k in names}, "trained_with")

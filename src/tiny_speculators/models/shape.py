@@ -19,15 +19,10 @@ from typing import Any
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.layers import check_aux_layer_ids, check_heads, rope_or_default
+from tiny_speculators.verifier.describe import config_value as _get
 from tiny_speculators.verifier.describe import text_config
 
 __all__ = ["LAYER_SHAPE", "DraftShape", "decoder_fields", "layer_shape_of", "rope_parameters_of", "verifier_shape"]
-
-
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    if isinstance(cfg, Mapping):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 
 def sha256_file(path: Path) -> str:
+    """The hex sha256 of a file's bytes, read in 4 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):

@@ -37,8 +37,8 @@ import torch
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.train import distributed as D
-from tiny_speculators.train.data import collate, prompt_keys
-from tiny_speculators.train.sources import _load_prepared_dataset, to_device
+from tiny_speculators.train.data import collate
+from tiny_speculators.train.sources import PreparedTokens, to_device
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ def _message(detail: str) -> str:
         return detail
 
 
-class ProducerSource:
+class ProducerSource(PreparedTokens):
     """Token ids from a prepared dataset; vLLM producers compute the hidden states, the Mooncake store brings them.
 
     ``layer_ids`` are the layers the producers extract (in their order); ``aux_layer_ids`` those the draft reads,
@@ -199,33 +199,17 @@ class ProducerSource:
 
     def __init__(self, prepared: Path, pool: ProducerPool, layer_ids: list[int], aux_layer_ids: list[int],
                  last_layer_id: int, max_length: int | None, sample_log: Path | None = None) -> None:
-        self.dataset = _load_prepared_dataset(prepared)
-        if len(self.dataset) == 0:
-            raise UserError(f"prepared dataset {prepared} holds no samples")
+        super().__init__(prepared, max_length)
         self.pool = pool
         self.aux_layer_ids = list(aux_layer_ids)
-        self.max_length = max_length
         self._aux_slots = [layer_ids.index(i) for i in aux_layer_ids]
         self._last_slot = layer_ids.index(last_layer_id)
-        self._lengths = [min(len(x), max_length or len(x)) for x in self.dataset["input_ids"]]
         self.sample_log = sample_log
         if sample_log is not None:
             sample_log.parent.mkdir(parents=True, exist_ok=True)
 
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def lengths(self) -> list[int]:
-        return self._lengths
-
-    def prompt_keys(self) -> list[bytes]:
-        return prompt_keys(zip(self.dataset["input_ids"], self.dataset["loss_mask"], strict=True))
-
     def batch(self, indices: list[int], device: torch.device, pack: bool) -> dict[str, Any]:
-        rows = self.dataset[list(indices)]
-        n = self.max_length
-        samples = [{"input_ids": torch.tensor(ids[:n] if n else ids), "loss_mask": torch.tensor(m[:n] if n else m)}
-                   for ids, m in zip(rows["input_ids"], rows["loss_mask"], strict=True)]
+        samples = self.token_samples(indices)
         deliveries = self.pool.fetch([s["input_ids"].tolist() for s in samples])
         for s, d in zip(samples, deliveries, strict=True):
             hs = d.hidden_states  # (T, n_layers, H)

@@ -19,7 +19,8 @@ from torch import nn
 
 from tiny_speculators.atomic import write_json_atomic
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.family import BuildInputs, DraftFamily, DraftModel, options_record
+from tiny_speculators.models.family import BuildInputs, DraftFamily, DraftModel
+from tiny_speculators.options import options_record
 from tiny_speculators.train import checkpoint as C
 from tiny_speculators.train import distributed as D
 from tiny_speculators.train.loop import TrainState

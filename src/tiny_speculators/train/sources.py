@@ -77,16 +77,15 @@ class OfflineSource:
         return to_device(collate(samples, pack=pack), device)
 
 
-class OnlineSource:
-    """Token ids from a prepared dataset; the verifier (in this process) computes aux/last per micro-batch."""
+class PreparedTokens:
+    """The token side of the online sources: a prepared dataset's ``input_ids`` and ``loss_mask``, each sample cut
+    to ``max_length``; the source that extends it adds the hidden states (the verifier here, or vLLM producers)."""
 
-    def __init__(self, prepared: Path, verifier: nn.Module, aux_layer_ids: list[int], max_length: int | None) -> None:
+    def __init__(self, prepared: Path, max_length: int | None) -> None:
         self.dataset = _load_prepared_dataset(prepared)
-        self.verifier = verifier
-        self.aux_layer_ids = list(aux_layer_ids)
-        self.max_length = max_length
         if len(self.dataset) == 0:
             raise UserError(f"prepared dataset {prepared} holds no samples")
+        self.max_length = max_length
         self._lengths = [min(len(x), max_length or len(x)) for x in self.dataset["input_ids"]]
 
     def __len__(self) -> int:
@@ -98,13 +97,26 @@ class OnlineSource:
     def prompt_keys(self) -> list[bytes]:
         return prompt_keys(zip(self.dataset["input_ids"], self.dataset["loss_mask"], strict=True))
 
+    def token_samples(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        """``input_ids`` and ``loss_mask`` of each sample, cut to ``max_length``."""
+        rows = self.dataset[list(indices)]
+        n = self.max_length
+        return [{"input_ids": torch.tensor(ids[:n] if n else ids), "loss_mask": torch.tensor(m[:n] if n else m)}
+                for ids, m in zip(rows["input_ids"], rows["loss_mask"], strict=True)]
+
+
+class OnlineSource(PreparedTokens):
+    """Token ids from a prepared dataset; the verifier (in this process) computes aux/last per micro-batch."""
+
+    def __init__(self, prepared: Path, verifier: nn.Module, aux_layer_ids: list[int], max_length: int | None) -> None:
+        super().__init__(prepared, max_length)
+        self.verifier = verifier
+        self.aux_layer_ids = list(aux_layer_ids)
+
     def batch(self, indices: list[int], device: torch.device, pack: bool) -> dict[str, Any]:
         from tiny_speculators.verifier.capture import capture_hidden_states
 
-        rows = self.dataset[list(indices)]
-        samples = [{"input_ids": torch.tensor(ids[:self.max_length] if self.max_length else ids),
-                    "loss_mask": torch.tensor(m[:self.max_length] if self.max_length else m)}
-                   for ids, m in zip(rows["input_ids"], rows["loss_mask"], strict=True)]
+        samples = self.token_samples(indices)
         batch = to_device(collate(samples, pack=pack), device)
         if pack:  # the verifier sees each document separately: run it on the padded form, then pack the states
             padded = to_device(collate(samples, pack=False), device)

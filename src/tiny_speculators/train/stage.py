@@ -33,7 +33,7 @@ import torch
 from tiny_speculators.atomic import write_json_atomic
 from tiny_speculators.errors import UserError
 from tiny_speculators.models import DEFAULT_ALGORITHM, FAMILIES, Algorithm, get_family
-from tiny_speculators.models.family import parse_options
+from tiny_speculators.options import parse_options
 from tiny_speculators.tables import print_summary_table
 from tiny_speculators.train import checkpoint as C
 from tiny_speculators.train import distributed as D

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,20 @@ from tiny_speculators.errors import UserError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["read_prefixed", "read_tensors", "safetensor_index", "text_config", "verifier_config",
+__all__ = ["config_value", "read_prefixed", "read_tensors", "safetensor_index", "text_config", "verifier_config",
            "verifier_embeddings", "verifier_record"]
 
 # Where the token embedding lives in the checkpoints we know (plain decoders and multimodal wrappers).
 EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight",
                "language_model.model.embed_tokens.weight", "transformer.wte.weight")
+
+
+def config_value(config: Any, key: str, default: Any = None) -> Any:
+    """``key`` of a config that is either a mapping (a ``config.json`` read as a dict, a recorded verifier) or an
+    HF config object; ``default`` where it has none."""
+    if isinstance(config, Mapping):
+        return config.get(key, default)
+    return getattr(config, key, default)
 
 
 def text_config(config: Any) -> Any:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -108,14 +107,6 @@ def find_gguf(spec: EmbeddedVerifier, download: bool = True) -> Path:
     return extracted
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def embedded_verifier_dir(name: str) -> Path:
     """A Hugging Face folder (fp32 safetensors + tokenizer) for the embedded verifier ``name``."""
     spec = EMBEDDED[name]
@@ -130,6 +121,8 @@ def embedded_verifier_dir(name: str) -> Path:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from tiny_speculators.storage.shards import sha256_file
+
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The weights are plain fp32 now; drop the GGUF quantizer so the folder is an ordinary one.
@@ -143,7 +136,7 @@ def embedded_verifier_dir(name: str) -> Path:
         tokenizer.save_pretrained(tmp)
         (tmp / "source.json").write_text(json.dumps(
             {"name": name, "hf_id": spec.hf_id, "requirement": spec.requirement, "gguf": gguf.name,
-             "gguf_sha256": _sha256(gguf), "dtype": "float32"}, indent=2) + "\n")
+             "gguf_sha256": sha256_file(gguf), "dtype": "float32"}, indent=2) + "\n")
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)

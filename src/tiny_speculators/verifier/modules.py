@@ -15,6 +15,7 @@ what was found.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -58,14 +59,20 @@ def _is_norm(module: nn.Module, hidden_size: int) -> bool:
     return "norm" in cls and (weight is None or tuple(weight.shape) == (hidden_size,))
 
 
+def _hf_accessor(model: nn.Module, name: str) -> Any:
+    """What ``model.<name>()`` returns (a Hugging Face accessor such as ``get_input_embeddings``); None where the
+    model has no such method or its class does not implement it."""
+    get = getattr(model, name, None)
+    if not callable(get):
+        return None
+    try:
+        return get()
+    except (NotImplementedError, AttributeError):
+        return None
+
+
 def _find_embedding(model: nn.Module) -> nn.Embedding:
-    get = getattr(model, "get_input_embeddings", None)
-    emb = None
-    if callable(get):
-        try:
-            emb = get()
-        except (NotImplementedError, AttributeError):
-            emb = None
+    emb = _hf_accessor(model, "get_input_embeddings")
     if isinstance(emb, nn.Embedding):
         return emb
     found = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding) and n.endswith("embed_tokens")]
@@ -77,13 +84,7 @@ def _find_embedding(model: nn.Module) -> nn.Embedding:
 
 
 def _find_lm_head(model: nn.Module, embed: nn.Embedding) -> nn.Module:
-    get = getattr(model, "get_output_embeddings", None)
-    head = None
-    if callable(get):
-        try:
-            head = get()
-        except (NotImplementedError, AttributeError):
-            head = None
+    head = _hf_accessor(model, "get_output_embeddings")
     if isinstance(head, nn.Module) and getattr(head, "weight", None) is not None:
         return head
     vocab, hidden = embed.weight.shape

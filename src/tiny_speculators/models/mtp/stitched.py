@@ -16,6 +16,7 @@ Reading goes the other way, so any such verifier folder with MTP weights is also
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,6 +31,7 @@ from tiny_speculators.models.mtp import deepseek
 from tiny_speculators.models.mtp.model import BIASES, LAYER_TENSORS, SHARED, MTPDraft
 from tiny_speculators.models.mtp.weights import mtp_layout, verifier_folder
 from tiny_speculators.models.shape import rope_parameters_of
+from tiny_speculators.verifier.describe import config_value
 
 ARCHITECTURES = {"mimo": "MiMoForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}  # layout -> verifier class
 SKIP = ("model.safetensors.index.json", "config.json", "README.md", "summary.json")
@@ -64,7 +66,7 @@ def layer_from_tensors(kwargs: Mapping[str, Any], tensors: Mapping[str, torch.Te
 
 def draft_kwargs(cfg: Mapping[str, Any], where: str, mtp_index: int = 0) -> dict[str, Any]:
     """``MTPDraft`` kwargs from a MiMo-style verifier config (a mapping or an HF config object)."""
-    get = cfg.get if isinstance(cfg, Mapping) else (lambda k, d=None: getattr(cfg, k, d))
+    get = functools.partial(config_value, cfg)
     fields = ["vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers"]
     missing = [k for k in fields if get(k) is None]
     if missing:
