@@ -33,3 +33,26 @@ def test_a_broken_contract_is_reported(tmp_path, capsys):
                       'layers = ["tiny_speculators.errors", "tiny_speculators.models"]\n')
     code = lint_imports(config_filename=str(config), cache_dir=str(tmp_path / "cache"), no_logo=True)
     assert code != 0 and "tiny_speculators.errors" in capsys.readouterr().out
+
+
+def _imported(modules: list[str]) -> set[str]:
+    """The top-level packages a fresh interpreter holds after importing ``modules``."""
+    import json
+    import subprocess
+    import sys
+
+    code = (f"import sys; [__import__(m) for m in {modules!r}]; "
+            "import json; print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return set(json.loads(out))
+
+
+def test_start_up_stays_light():
+    """`tiny-speculators --help` and the pipeline's planning import no torch; a stage module imports torch but no
+    transformers, datasets or plotting until it runs (the imports kept inside functions are these)."""
+    heavy = {"transformers", "datasets", "pyarrow", "matplotlib", "vllm", "tensorboard", "accelerate", "gguf"}
+    assert not _imported(["tiny_speculators.cli", "tiny_speculators.pipeline"]) & (heavy | {"torch"})
+    stages = ["tiny_speculators.models", "tiny_speculators.train.stage", "tiny_speculators.evaluate.stage",
+              "tiny_speculators.export.stage", "tiny_speculators.verifier.extract", "tiny_speculators.data.prepare",
+              "tiny_speculators.data.regenerate", "tiny_speculators.benchmark.stage"]
+    assert not _imported(stages) & heavy
