@@ -31,6 +31,12 @@ def pytest_collection_finish(session):
         vllm_env.start_build()
 
 
+def pytest_sessionfinish(session, exitstatus):
+    import vllm_env
+
+    vllm_env.stop_build()
+
+
 @pytest.fixture(scope="session")
 def vllm_venv() -> Path:
     """The vLLM environment of ``scripts/vllm_env.sh`` (vLLM, GuideLLM, and Mooncake where this environment imports

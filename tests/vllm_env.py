@@ -9,6 +9,7 @@ CPU tests; the ``vllm_venv`` fixture waits for it. ``TINY_SPECULATORS_SKIP_VLLM=
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import tempfile
 import threading
@@ -47,6 +48,7 @@ class EnvBuild:
     def __init__(self, venv: Path, mooncake: bool) -> None:
         self.venv, self.mooncake = venv, mooncake
         self.error: str | None = None
+        self._proc: subprocess.Popen | None = None
         self.log = Path(tempfile.mkstemp(prefix="vllm-env-", suffix=".log")[1])
         self._thread = threading.Thread(target=self._build, name="vllm-env-build", daemon=True)
 
@@ -62,14 +64,24 @@ class EnvBuild:
         argv = ["bash", str(VLLM_ENV_SCRIPT), *(["--mooncake"] if self.mooncake else [])]
         try:
             with self.log.open("w") as log:
-                proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      timeout=1800, env={**clean_env(), "TINY_SPECULATORS_VLLM_VENV": str(self.venv)})
+                self._proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                              env={**clean_env(), "TINY_SPECULATORS_VLLM_VENV": str(self.venv)},
+                                              start_new_session=True)
+                rc = self._proc.wait(timeout=1800)
         except (OSError, subprocess.TimeoutExpired) as e:
+            self.stop()
             self.error = f"scripts/vllm_env.sh did not finish: {e}"
             return
-        if proc.returncode != 0:
+        if rc != 0:
             tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
-            self.error = f"scripts/vllm_env.sh failed (rc {proc.returncode}, log {self.log}):\n{tail}"
+            self.error = f"scripts/vllm_env.sh failed (rc {rc}, log {self.log}):\n{tail}"
+
+    def stop(self) -> None:
+        """Kill a build still running (a session that ends before any vLLM test waited for it, e.g. -x)."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
     def wait(self) -> Path:
         self._thread.join()
@@ -92,6 +104,12 @@ def start_build() -> EnvBuild:
 
         _build = EnvBuild(default_vllm_venv(), mooncake=mooncake_usable()).start()
     return _build
+
+
+def stop_build() -> None:
+    """At the session's end: a build nobody waited for is not left running."""
+    if _build is not None:
+        _build.stop()
 
 
 def skip_requested() -> bool:
