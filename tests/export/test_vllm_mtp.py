@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from vllm_helpers import counters, our_acceptance, run_vllm, train_draft, write_report
+from vllm_helpers import counters, our_acceptance, train_draft, write_report
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -49,15 +49,16 @@ def ours(exported, tiny_mimo_dir, smollm2_tokenizer) -> dict:
 
 
 @pytest.fixture(scope="module")
-def vllm_runs(vllm_python, exported, ours, tiny_mimo_dir, tmp_path_factory) -> dict:
+def vllm_runs(vllm_worker, exported, ours, tiny_mimo_dir, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("vllm-mtp-runs")
     prompts = root / "prompts.json"
     prompts.write_text(json.dumps(ours["trained"]["prompts"]))
     common = ["--prompts", str(prompts), "--max-tokens", str(NEW_TOKENS), "--max-model-len", "512"]
-    run_vllm(vllm_python, "generate", str(tiny_mimo_dir), str(root / "untrained.json"), *common, "--spec-config", SPEC)
-    run_vllm(vllm_python, "generate", str(exported), str(root / "trained.json"), *common, "--spec-config", SPEC)
-    run_vllm(vllm_python, "generate", str(tiny_mimo_dir), str(root / "plain.json"), *common, "--no-spec")
-    return {name: json.loads((root / f"{name}.json").read_text()) for name in ("untrained", "trained", "plain")}
+    vllm_worker.run("generate", str(tiny_mimo_dir), str(root / "untrained.json"), *common, "--spec-config", SPEC)
+    vllm_worker.run("generate", str(exported), str(root / "trained.json"), *common, "--spec-config", SPEC)
+    runs = {name: json.loads((root / f"{name}.json").read_text()) for name in ("untrained", "trained")}
+    plain = vllm_worker.plain(tiny_mimo_dir, root / "plain.json", ours["trained"]["prompts"], NEW_TOKENS, 512)
+    return {**runs, "plain": plain}
 
 
 def test_vllm_mtp_counters_equal_our_evaluator_before_and_after_finetuning(vllm_runs, ours, tmp_path_factory):

