@@ -11,28 +11,34 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_import_contracts_hold(tmp_path, capsys):
-    from importlinter.cli import lint_imports
+def _lint(config: Path, cache: Path) -> tuple[int, str]:
+    """``lint-imports`` in a child process: import-linter configures logging (``dictConfig``), which would disable
+    every logger already made in this one, and the log-capturing tests after it would see nothing."""
+    import subprocess
+    import sys
 
-    code = lint_imports(config_filename=str(REPO / "pyproject.toml"), cache_dir=str(tmp_path), no_logo=True)
-    report = capsys.readouterr().out
+    code = ("import sys; from importlinter.cli import lint_imports; "
+            f"sys.exit(lint_imports(config_filename={str(config)!r}, cache_dir={str(cache)!r}, no_logo=True))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_import_contracts_hold(tmp_path):
+    code, report = _lint(REPO / "pyproject.toml", tmp_path)
     assert code == 0, report
     for name in ("cli -> pipeline -> stages -> models", "no draft family imports another's folder"):
-        assert any(line.startswith(name) and line.rstrip().split()[-1] in ("KEPT", "imports)")
-                   and "BROKEN" not in line for line in report.splitlines()), report
+        assert any(line.startswith(name) and "KEPT" in line for line in report.splitlines()), report
 
 
-def test_a_broken_contract_is_reported(tmp_path, capsys):
+def test_a_broken_contract_is_reported(tmp_path):
     """The check can fail: a contract that forbids what the code does (models use torch's tensors, storage is
     below models) is reported as broken."""
-    from importlinter.cli import lint_imports
-
     config = tmp_path / "contracts.toml"
     config.write_text('[tool.importlinter]\nroot_package = "tiny_speculators"\n\n'
                       '[[tool.importlinter.contracts]]\nname = "upside down"\ntype = "layers"\n'
                       'layers = ["tiny_speculators.errors", "tiny_speculators.models"]\n')
-    code = lint_imports(config_filename=str(config), cache_dir=str(tmp_path / "cache"), no_logo=True)
-    assert code != 0 and "tiny_speculators.errors" in capsys.readouterr().out
+    code, report = _lint(config, tmp_path / "cache")
+    assert code != 0 and "upside down BROKEN" in report, report
 
 
 def _imported(modules: list[str]) -> set[str]:
