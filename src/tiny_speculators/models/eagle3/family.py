@@ -28,6 +28,7 @@ from tiny_speculators.models.family import BuildInputs, DraftFamily, resolve_lay
 from tiny_speculators.models.losses import LossSpec
 from tiny_speculators.models.shape import verifier_shape
 from tiny_speculators.verifier.capture import default_aux_layer_ids
+from tiny_speculators.verifier.load import resolve_verifier
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,6 @@ def build(inputs: BuildInputs, options: Eagle3Options) -> Eagle3Draft:
     draft = build_draft(kwargs, inputs.d2t, inputs.t2d, embed_weight=inputs.embed_weight,
                         lm_head_weight=inputs.lm_head_weight)
     if options.init == "verifier":
-        from tiny_speculators.verifier.load import resolve_verifier
-
         if inputs.verifier_path is None:
             raise UserError("eagle3 init 'verifier' reads a verifier layer, but no verifier folder was given")
         layer = inputs.aux_layer_ids[-1] if options.init_layer is None else options.init_layer
