@@ -124,16 +124,6 @@ class MooncakeMaster(ManagedProcess):
     def __init__(self, log_path: Path, port: int | None = None, startup_timeout: float = 60.0) -> None:
         super().__init__(log_path, port, startup_timeout)
 
-    @property
-    def address(self) -> str:
-        if self.port is None:
-            raise RuntimeError("the master has not been started")
-        return f"{HOST}:{self.port}"
-
-    @property
-    def where(self) -> str:
-        return self.address
-
     def start(self) -> None:
         store = import_mooncake_store()
         binary = Path(store.__file__).resolve().parent / "mooncake_master"
