@@ -24,6 +24,7 @@ from tiny_speculators import __version__
 from tiny_speculators.config import bind, load_yaml, option_sections, param_docs, stage_params
 from tiny_speculators.errors import UserError
 from tiny_speculators.options import unwrap_optional
+from tiny_speculators.pipeline import plan_pipeline
 from tiny_speculators.stages import STAGES, StageNotBuilt, load_stage
 
 __all__ = ["STAGES", "StageNotBuilt", "build_parser", "load_stage", "main"]
@@ -117,7 +118,6 @@ def _config_values(stage: str, path: Path) -> dict[str, Any]:
     raw = load_yaml(path)
     if stage == "pipeline" or "run_dir" not in raw:
         return raw
-    from tiny_speculators.pipeline import plan_pipeline
 
     plan = plan_pipeline(raw, str(path)).stages.get(stage)
     if plan is None:

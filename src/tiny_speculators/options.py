@@ -4,7 +4,8 @@
 dict, optional and union types); :func:`parse_options` builds an options dataclass from a mapping (a draft
 family's options, nested under its name in YAML); :func:`options_record` and :func:`options_from_record`
 write such options into a checkpoint's record and read them back. A bad value or an unknown key is a
-:class:`UserError` that names it, in one sentence.
+:class:`UserError` that names it, in one sentence. :func:`check_ranges` is the range check of an options
+dataclass's ``__post_init__``.
 
     python -c "from tiny_speculators.options import coerce; print(coerce('3', int | None, 'k'))"
 """
@@ -14,13 +15,35 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 from tiny_speculators.errors import UserError
 
-__all__ = ["coerce", "options_from_record", "options_record", "parse_options", "unwrap_optional"]
+__all__ = ["AT_LEAST_1", "FRACTION", "NON_NEGATIVE", "Range", "check_ranges", "coerce", "options_from_record",
+           "options_record", "parse_options", "unwrap_optional"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values an option may take: the words that name them and the test of a value outside."""
+
+    words: str
+    outside: Callable[[Any], bool]
+
+
+AT_LEAST_1 = Range("at least 1", lambda v: v < 1)
+NON_NEGATIVE = Range(">= 0", lambda v: v < 0)
+FRACTION = Range("in (0, 1]", lambda v: not 0 < v <= 1)
+
+
+def check_ranges(*checks: tuple[str, Any, Range]) -> None:
+    """``(name, value, range)`` checks in order: ``ValueError("NAME must be RANGE, got VALUE")`` for the first value
+    outside its range (an options dataclass's ``__post_init__``; :func:`parse_options` makes it a UserError)."""
+    for name, value, allowed in checks:
+        if allowed.outside(value):
+            raise ValueError(f"{name} must be {allowed.words}, got {value}")
 
 
 def unwrap_optional(annotation: Any) -> tuple[bool, Any]:

@@ -40,7 +40,6 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -49,6 +48,10 @@ from typing import Any
 from tiny_speculators.atomic import write_json_atomic
 from tiny_speculators.config import bind, load_yaml, stage_params
 from tiny_speculators.errors import UserError
+from tiny_speculators.stages import load_stage
+
+# The stage modules, models/ and verifier/ load torch, and rich would add half to the start-up: the functions that
+# need them import them, so that importing this module (`tiny-speculators --help` does) stays light.
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +74,6 @@ WIRED: dict[str, tuple[str, ...]] = {
 # options that name a built-in set or a file (one with a suffix: resolved and hashed like the Path options)
 NAME_OR_FILE: dict[str, tuple[str, ...]] = {"evaluate": ("prompts",), "benchmark": ("prompts",)}
 BUILTIN_PREFIX = "builtin:"
-
-
-def _stage_function(name: str) -> Callable[..., Any]:
-    from tiny_speculators.stages import load_stage
-
-    return load_stage(name)
 
 
 # ------------------------------------------------------------------------------------------ hashing
@@ -206,7 +203,7 @@ def plan_pipeline(raw: dict[str, Any], source: str = "pipeline config") -> Pipel
         out = run_dir / name
         options = sections[name]
         values = {**options, **wired, "out": out}
-        func = _stage_function(name)
+        func = load_stage(name)
         kwargs = bind(func, values, source=f"{config} [{name}]")
         stages[name] = StagePlan(name, kwargs, options, upstream, external, out)
 
@@ -437,7 +434,7 @@ def _run_stage(stage: StagePlan, digest: str, same: bool, forced: bool, later: l
     name = stage.name
     records: dict[str, dict[str, Any]] = manifest["stages"]
     record = records.get(name, {})
-    func = _stage_function(name)
+    func = load_stage(name)
     kwargs = dict(stage.kwargs)
     resuming = same and record.get("status") == "running" and stage.out.exists() and not forced
     if resuming:

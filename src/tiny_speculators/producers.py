@@ -20,6 +20,7 @@ The master and the producers the project starts itself run on 127.0.0.1, each ow
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import socket
@@ -28,6 +29,7 @@ from typing import Any
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.serving import HOST, ManagedProcess, VllmServer, check_port_free, free_ports
+from tiny_speculators.verifier.load import resolve_verifier
 
 __all__ = ["CONNECTOR", "MooncakeMaster", "check_master", "import_mooncake_store", "kv_transfer_config",
            "local_hostname", "producer_server", "speculative_config", "store_config"]
@@ -105,10 +107,6 @@ def producer_server(python: Path, verifier: str, layer_ids: list[int], master: s
                     kv_cache_gb: int = 2, name: str = "vLLM producer") -> VllmServer:
     """A ``vllm serve`` of ``verifier`` that puts ``layer_ids``' hidden states of every prompt into the store
     at ``master`` (a :class:`~tiny_speculators.serving.VllmServer`: use it as a context manager)."""
-    import json
-
-    from tiny_speculators.verifier.load import resolve_verifier
-
     return VllmServer(python, resolve_verifier(verifier), log_path=log_path, port=port, served_model_name="verifier",
                       speculative_config=speculative_config(layer_ids), dtype=dtype, max_model_len=max_model_len,
                       enforce_eager=True, kv_cache_gb=kv_cache_gb, name=name,
@@ -125,16 +123,6 @@ class MooncakeMaster(ManagedProcess):
 
     def __init__(self, log_path: Path, port: int | None = None, startup_timeout: float = 60.0) -> None:
         super().__init__(log_path, port, startup_timeout)
-
-    @property
-    def address(self) -> str:
-        if self.port is None:
-            raise RuntimeError("the master has not been started")
-        return f"{HOST}:{self.port}"
-
-    @property
-    def where(self) -> str:
-        return self.address
 
     def start(self) -> None:
         store = import_mooncake_store()

@@ -294,9 +294,16 @@ class ManagedProcess:
         self._log_offset = 0
 
     @property
+    def address(self) -> str:
+        """``host:port`` it listens on, once :meth:`start` picked the port."""
+        if self.port is None:
+            raise RuntimeError(f"{self.name} has not been started")
+        return f"{HOST}:{self.port}"
+
+    @property
     def where(self) -> str:
-        """Where it listens, for log lines (its address or URL)."""
-        raise NotImplementedError
+        """Where it listens, for log lines (its address; a server's URL)."""
+        return self.address
 
     def start(self) -> None:
         raise NotImplementedError
@@ -384,9 +391,7 @@ class VllmServer(ManagedProcess):
 
     @property
     def url(self) -> str:
-        if self.port is None:
-            raise RuntimeError("the server has not been started")
-        return f"http://{HOST}:{self.port}"
+        return f"http://{self.address}"
 
     @property
     def where(self) -> str:

@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal
 
+from rich.console import Console
+from rich.table import Table
+
 __all__ = ["print_summary_table"]
 
 
@@ -16,9 +19,6 @@ def print_summary_table(title: str, rows: Iterable[tuple[str, str]], *, header: 
                         justify: Literal["left", "right"] = "left", stderr: bool = True) -> None:
     """Print ``rows`` (name, value) under ``title``: with a ``header`` row (names of the two columns) or none, the
     values justified ``justify``; on stderr (next to the logs) unless ``stderr`` is False."""
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=title, show_header=header is not None)
     if header is not None:
         table.add_column(header[0])

@@ -12,6 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 from tiny_speculators.atomic import atomic_write
 from tiny_speculators.benchmark.load import LoadResult
 from tiny_speculators.benchmark.metrics import ServerCounters, SpecDecodeCounters
@@ -63,9 +66,6 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 def print_table(results: dict[str, Any]) -> None:
     """Per concurrency: latency and throughput with and without the draft, speed-up, acceptance."""
-    from rich.console import Console
-    from rich.table import Table
-
     k = f" (k={results['k']})" if results.get("k") else ""
     table = Table(title=f"vllm serve {results['served_model']} + {results['draft_name']}{k}, "
                         f"{results['requests']} requests x {results['output_tokens']} tokens per concurrency")

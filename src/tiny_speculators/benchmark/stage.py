@@ -34,6 +34,7 @@ from tiny_speculators.benchmark.metrics import ServerCounters, fetch_metrics, se
 from tiny_speculators.benchmark.report import level_entry, overall_acceptance, print_table, save_plot, side_entry
 from tiny_speculators.errors import UserError
 from tiny_speculators.evaluate.prompts import load_prompts
+from tiny_speculators.models.importing import detect_format
 from tiny_speculators.serving import (
     VllmServer,
     check_port_free,
@@ -41,6 +42,8 @@ from tiny_speculators.serving import (
     sigterm_as_exit,
     vllm_python,
 )
+from tiny_speculators.verifier.embedded import EMBEDDED
+from tiny_speculators.verifier.load import resolve_verifier
 
 __all__ = ["benchmark"]
 
@@ -52,8 +55,6 @@ def read_draft(draft: Path) -> dict[str, Any]:
     vLLM (``spec(k)``). k and the verifier: what the format reads from the draft's config (a format that is a whole
     verifier with the draft inside, a stitched checkpoint, names the folder itself), k else export's
     ``summary.json``, else 1."""
-    from tiny_speculators.models.importing import detect_format
-
     folder = Path(draft)
     if not (folder / "config.json").is_file():
         raise UserError(f"--draft {draft}: no config.json there (export the draft first: tiny-speculators "
@@ -78,9 +79,6 @@ def read_draft(draft: Path) -> dict[str, Any]:
 
 def serving_verifier(verifier: str | None, recorded: str | None) -> str:
     """What ``vllm serve`` loads: ``--verifier`` or the draft's recorded verifier, embedded names as folders."""
-    from tiny_speculators.verifier.embedded import EMBEDDED
-    from tiny_speculators.verifier.load import resolve_verifier
-
     name = verifier or recorded
     if not name:
         raise UserError("the draft records no verifier: pass --verifier")

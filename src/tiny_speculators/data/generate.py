@@ -27,7 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tiny_speculators.errors import UserError
+from tiny_speculators.serving import VllmServer, sigterm_as_exit
+from tiny_speculators.verifier.load import load_verifier, resolve_verifier
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +53,6 @@ class HFGenerator:
 
     def __init__(self, verifier: str, dtype: str, device: str, max_new_tokens: int, top_p: float,
                  enable_thinking: bool | None, trust_remote_code: bool):
-        import torch
-
-        from tiny_speculators.verifier.load import load_verifier
-
-        self.torch = torch
         self.model, self.tokenizer = load_verifier(verifier, dtype=dtype, device=device,
                                                    trust_remote_code=trust_remote_code)
         if not getattr(self.tokenizer, "chat_template", None):
@@ -80,7 +79,6 @@ class HFGenerator:
         return list(ids)
 
     def __call__(self, batch: list[list[dict[str, str]]], sampling: Sampling) -> list[tuple[str, int, bool]]:
-        torch = self.torch
         rows = [self._render(m) for m in batch]
         width = max(len(r) for r in rows)
         pad = self.tokenizer.pad_token_id
@@ -199,9 +197,6 @@ def start_vllm(stack: contextlib.ExitStack, python: Path, verifier: str, out: Pa
     Returns the running :class:`~tiny_speculators.serving.VllmServer`; it is stopped when ``stack`` closes, also
     on an exception, Ctrl-C or SIGTERM. Its log is ``out/vllm-server.log`` (this run's only).
     """
-    from tiny_speculators.serving import VllmServer, sigterm_as_exit
-    from tiny_speculators.verifier.load import resolve_verifier
-
     log_path = out / VLLM_LOG
     log_path.unlink(missing_ok=True)
     stack.enter_context(sigterm_as_exit())

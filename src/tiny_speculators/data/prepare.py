@@ -37,12 +37,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
+from tiny_speculators.data import tokenizer as tok
 from tiny_speculators.data.chat import ChatRenderer, RecordError
 from tiny_speculators.data.readers import count_records, read_records
 from tiny_speculators.data.resume import ChunkStore, input_fingerprint
 from tiny_speculators.errors import UserError
 from tiny_speculators.tables import print_summary_table
+from tiny_speculators.verifier.load import verifier_id
 
 log = logging.getLogger(__name__)
 
@@ -109,18 +114,15 @@ def prepare(
         chunk_records: records per committed chunk; a killed run resumes after the last committed chunk.
         trust_remote_code: allow the tokenizer's custom code from the hub.
     """
-    from tiny_speculators.data.tokenizer import load_prepare_tokenizer, model_vocab_size
-    from tiny_speculators.verifier.load import verifier_id
-
     started = time.perf_counter()
     data = [Path(p) for p in data]
     template_text = _check_arguments(data, max_length, chunk_records, field, chat_template)
 
-    tokenizer = load_prepare_tokenizer(verifier, trust_remote_code=trust_remote_code)
+    tokenizer = tok.load_prepare_tokenizer(verifier, trust_remote_code=trust_remote_code)
     renderer = ChatRenderer(tokenizer, enable_thinking=enable_thinking, chat_template=template_text,
                             last_turn_only=last_turn_only, rewritten_turns=rewritten_turns)
     vocab_size = len(tokenizer)
-    model_vocab = model_vocab_size(verifier, trust_remote_code)
+    model_vocab = tok.model_vocab_size(verifier, trust_remote_code)
     if model_vocab is None:
         log.warning("no model config for %s: `vocab` will size t2d to the tokenizer's %d ids; if the model's "
                     "embedding has more rows, pass --target-vocab-size to vocab", verifier, vocab_size)
@@ -229,8 +231,6 @@ class _Chunk:
 def _run(renderer: ChatRenderer, data: list[Path], store: ChunkStore, vocab_size: int, field: str | None,
          max_length: int | None, overflow: str, strict: bool, chunk_records: int) -> int:
     """Render every record not yet committed; returns how many records earlier runs had committed."""
-    from tqdm.auto import tqdm
-
     index, start = store.open()
     resumed = sum(stats["records_read"] for _, stats in store.chunks())
     warned = sum(len(stats["bad"]) for _, stats in store.chunks())
@@ -317,9 +317,7 @@ def _assemble(store: ChunkStore, data: list[Path], tmp: Path, vocab_size: int) -
     """The committed chunks -> ``dataset/``, ``token_counts.safetensors``, ``bad_records.jsonl``; the totals."""
     import datasets
     import pyarrow.compute as pc
-    import torch
     from datasets.table import MemoryMappedTable, concat_tables
-    from safetensors.torch import save_file
 
     chunks = store.chunks()
     totals: Counter[str] = Counter()

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from safetensors.torch import load_file
+
 from tiny_speculators.errors import UserError
 
 __all__ = ["PreparedData", "load_prepared"]
@@ -27,8 +29,6 @@ class PreparedData:
 
     def token_counts(self):
         """int64 tensor ``[vocab_size]``: how often each token id is a loss-masked target."""
-        from safetensors.torch import load_file
-
         file = self.path / "token_counts.safetensors"
         if not file.is_file():
             raise UserError(f"{self.path} has no token_counts.safetensors; run `tiny-speculators prepare` again")

@@ -49,7 +49,10 @@ from typing import Any, Literal
 
 from tiny_speculators.atomic import write_text_atomic
 from tiny_speculators.data.generate import EndpointGenerator, HFGenerator, Sampling, chat_completions_url, start_vllm
+from tiny_speculators.data.readers import read_records
 from tiny_speculators.errors import UserError
+from tiny_speculators.serving import build_vllm_env, check_port_free
+from tiny_speculators.verifier.load import verifier_id
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +97,6 @@ def read_conversations(paths: Iterable[Path], strict: bool = False) -> tuple[lis
     Returns the good conversations and a counter of dropped records by reason. With ``strict`` the
     first bad record raises :class:`UserError`.
     """
-    from tiny_speculators.data.readers import read_records
-
     convs: list[Conversation] = []
     dropped: Counter = Counter()
     for index, record in enumerate(read_records(paths)):
@@ -157,8 +158,6 @@ def _load_partial(out: Path, settings: dict[str, Any], resume: bool) -> dict[str
 
 def _vllm_python(venv: Path | None, out: Path, port: int | None) -> Path | None:
     """The vLLM environment's interpreter (built on first use), or None with a one-line warning: fall back."""
-    from tiny_speculators.serving import build_vllm_env, check_port_free
-
     if port is not None:
         check_port_free(port)  # a bad port is the user's to fix, not a reason to fall back
     try:
@@ -349,7 +348,6 @@ def regenerate(
     backend = backend or ("endpoint" if endpoint else "transformers")
     if (backend == "endpoint") != bool(endpoint):
         raise UserError("--endpoint goes with --backend endpoint (the default when it is set), and only with it")
-    from tiny_speculators.verifier.load import verifier_id
 
     convs, dropped = read_conversations(data, strict=strict)
     records_read = len(convs) + sum(dropped.values())

@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.verifier import load
 from tiny_speculators.verifier.describe import text_config
+from tiny_speculators.verifier.embedded import EMBEDDED
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +28,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 def tokenizer_only_folder(verifier: str | Path) -> Path | None:
     """The folder, if ``verifier`` is a local folder without ``config.json``; a folder with neither is an error."""
-    from tiny_speculators.verifier.embedded import EMBEDDED
-
     if str(verifier) in EMBEDDED:
         return None
     path = Path(verifier).expanduser()
@@ -41,8 +41,6 @@ def tokenizer_only_folder(verifier: str | Path) -> Path | None:
 
 def load_prepare_tokenizer(verifier: str | Path, trust_remote_code: bool = False) -> Any:
     """The tokenizer of a hub id, an embedded name, a model folder or a tokenizer-only folder."""
-    from tiny_speculators.verifier import load
-
     folder = tokenizer_only_folder(verifier)
     if folder is None:
         return load.load_tokenizer(verifier, trust_remote_code=trust_remote_code)
@@ -62,9 +60,7 @@ def model_vocab_size(verifier: str | Path, trust_remote_code: bool = False) -> i
     try:
         from transformers import AutoConfig
 
-        from tiny_speculators.verifier.load import resolve_verifier
-
-        config = AutoConfig.from_pretrained(resolve_verifier(verifier), trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(load.resolve_verifier(verifier), trust_remote_code=trust_remote_code)
     except Exception as e:  # no network for a hub id, an unknown architecture
         log.debug("no model config for %s (%s)", verifier, e)
         return None

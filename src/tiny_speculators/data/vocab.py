@@ -20,8 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
 
 from tiny_speculators.atomic import atomic_write, write_json_atomic
+from tiny_speculators.data.prepared import load_prepared
 from tiny_speculators.errors import UserError
 from tiny_speculators.tables import print_summary_table
 
@@ -32,8 +35,6 @@ __all__ = ["build_vocab", "load_vocab", "vocab"]
 
 def build_vocab(counts: Any, size: int, target_vocab_size: int | None = None) -> tuple[Any, Any, dict[str, Any]]:
     """``(d2t, t2d, info)`` for the ``size`` most frequent ids of ``counts`` (int tensor/array ``[V]``)."""
-    import torch
-
     counts = np.asarray(counts.cpu().numpy() if hasattr(counts, "cpu") else counts, dtype=np.int64)
     target = int(target_vocab_size or counts.shape[0])
     if target < counts.shape[0]:
@@ -79,10 +80,6 @@ def vocab(data: Path, out: Path, size: int = 32000, target_vocab_size: int | Non
         target_vocab_size: length of t2d; default: the verifier's config vocab_size recorded by prepare,
             else the tokenizer length.
     """
-    from safetensors.torch import save_file
-
-    from tiny_speculators.data.prepared import load_prepared
-
     prepared = load_prepared(data)
     counts = prepared.token_counts()
     summary_in = prepared.summary
@@ -113,8 +110,6 @@ def vocab(data: Path, out: Path, size: int = 32000, target_vocab_size: int | Non
 
 def load_vocab(path: str | Path) -> tuple[Any, Any]:
     """``(d2t int64 [N], t2d bool [target_vocab])`` from a vocab output folder (or its safetensors file)."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     file = path / "vocab.safetensors" if path.is_dir() else path
     if not file.is_file():
@@ -122,7 +117,6 @@ def load_vocab(path: str | Path) -> tuple[Any, Any]:
     tensors = load_file(str(file))
     if "d2t" not in tensors or "t2d" not in tensors:
         raise UserError(f"{file} lacks d2t/t2d tensors")
-    import torch
 
     d2t, t2d = tensors["d2t"], tensors["t2d"]
     if d2t.dtype != torch.int64 or t2d.dtype != torch.bool or d2t.dim() != 1 or t2d.dim() != 1:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tiny_speculators.evaluate.target import TargetRunner
+from tiny_speculators.evaluate.tree import tree_step
 from tiny_speculators.models.family import ConfidenceProposer, Proposer, TreeParams
 from tiny_speculators.sampling import SamplingParams, accept_chain, probs_from_logits, sample
 
@@ -126,8 +127,6 @@ def speculative_generate(target: TargetRunner, proposer: Proposer, prompt: list[
                          eos_ids: set[int] | frozenset[int] = frozenset(), tree: TreeParams | None = None,
                          generator: torch.Generator | None = None) -> DecodeResult:
     """Generate up to ``max_new_tokens`` after ``prompt`` with draft + verifier (chain, or tree if given)."""
-    from tiny_speculators.evaluate.tree import tree_step
-
     eos_ids = set(eos_ids)
     _sync(target.device)
     t0 = time.perf_counter()

@@ -37,7 +37,12 @@ from tiny_speculators.evaluate.report import (
     save_plot,
 )
 from tiny_speculators.evaluate.target import TargetRunner
+from tiny_speculators.models import get_family
+from tiny_speculators.models.family import ConfidenceProposer
+from tiny_speculators.models.importing import import_draft
 from tiny_speculators.sampling import SamplingParams
+from tiny_speculators.verifier.describe import text_config
+from tiny_speculators.verifier.load import load_verifier, parse_dtype, verifier_id
 
 __all__ = ["evaluate"]
 
@@ -106,8 +111,6 @@ def evaluate(
         max_prompts: evaluate only the first N prompts.
         trust_remote_code: allow custom modelling code of the verifier.
     """
-    from tiny_speculators.verifier.load import load_verifier, parse_dtype, verifier_id
-
     _check_arguments(k, max_new_tokens, tree, tree_depth, tree_topk, tree_total_tokens)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     tree_params = TreeParams(tree_depth, tree_topk, tree_total_tokens) if tree else None
@@ -170,11 +173,6 @@ class _Draft:
 
 def _load_draft(draft: Path, verifier: str, model, k: int | None, confidence_threshold: float | Literal["off"],
                 tree: bool, device: str, torch_dtype: torch.dtype) -> _Draft:
-    from tiny_speculators.models import get_family
-    from tiny_speculators.models.family import ConfidenceProposer
-    from tiny_speculators.models.importing import import_draft
-    from tiny_speculators.verifier.describe import text_config
-
     draft_model, config = import_draft(draft, verifier=verifier, device=device, dtype=torch_dtype)
     draft_model.eval().requires_grad_(False)
     family = get_family(config["model_type"])
@@ -307,8 +305,6 @@ def _against_baseline(spec_results: list[DecodeResult], base_results: list[Decod
 def _write_outputs(out: Path, summary: dict[str, Any], per_prompt: list[dict[str, Any]], draft: Path, verifier: str,
                    threshold: float | None) -> None:
     """results.json, summary.json, acceptance.png and (drafts with a confidence head) calibration.png."""
-    from tiny_speculators.verifier.load import verifier_id
-
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "results.json", {**summary, "per_prompt": per_prompt})
     write_json_atomic(out / "summary.json", summary)

@@ -38,14 +38,13 @@ from tiny_speculators.models.compat import check_against_verifier, check_verifie
 from tiny_speculators.models.family import ExportInfo
 from tiny_speculators.models.importing import OURS, import_draft, resolve_checkpoint
 from tiny_speculators.tables import print_summary_table
+from tiny_speculators.verifier.embedded import EMBEDDED
+from tiny_speculators.verifier.load import verifier_id
 
 log = logging.getLogger(__name__)
 
 
 def _verifier_name(given: str | None, recorded: str | None) -> str:
-    from tiny_speculators.verifier.embedded import EMBEDDED
-    from tiny_speculators.verifier.load import verifier_id
-
     name = given or recorded
     if not name:
         raise UserError("the checkpoint does not record which verifier it was trained against: pass --verifier-name")

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from tiny_speculators.atomic import atomic_write
 from tiny_speculators.errors import UserError
+from tiny_speculators.models import family_of
 from tiny_speculators.models.family import DraftModel
 
 WEIGHTS = "model.safetensors"
@@ -30,8 +31,6 @@ def save_draft(directory: str | Path, draft: DraftModel, meta: dict[str, Any] | 
     ``meta`` is merged into the config; callers pass at least ``verifier``
     (``{"name_or_path", "architectures", "hidden_size", "vocab_size"}``), which export needs.
     """
-    from tiny_speculators.models import family_of
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in draft.state_dict().items()}

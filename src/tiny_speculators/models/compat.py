@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.verifier.describe import config_value
+from tiny_speculators.verifier.describe import config_value, verifier_config
 
 __all__ = ["check_against_verifier", "check_verifier", "check_vocab_maps", "copy_verifier_weights"]
 
@@ -39,8 +39,6 @@ def check_against_verifier(draft_kwargs: Mapping[str, Any], verifier: Any, name:
 def check_verifier(draft_kwargs: Mapping[str, Any], verifier: str | None) -> Any:
     """The text config of ``verifier`` (a name, folder or hub id) once the draft is checked against it; None when
     no verifier is given or its config cannot be read (nothing to check)."""
-    from tiny_speculators.verifier.describe import verifier_config
-
     if not verifier:
         return None
     config = verifier_config(verifier)

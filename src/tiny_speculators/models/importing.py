@@ -22,11 +22,14 @@ from safetensors.torch import load_file
 from torch import nn
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.models import FAMILIES, get_family
 from tiny_speculators.models.checkpoint import CONFIG as DRAFT_CONFIG
 from tiny_speculators.models.checkpoint import WEIGHTS
 from tiny_speculators.models.compat import check_verifier, check_vocab_maps
 from tiny_speculators.models.family import DraftModel
 from tiny_speculators.models.files import read_json, read_weights
+from tiny_speculators.verifier.describe import verifier_config, verifier_embeddings
+from tiny_speculators.verifier.head import load_verifier_head
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +61,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def detect_format(directory: str | Path) -> tuple[Any, Any]:
     """``(family, format)`` of a draft folder; ``format`` is None for our own checkpoints."""
-    from tiny_speculators.models import FAMILIES, get_family
-
     directory = Path(directory)
     if (directory / DRAFT_CONFIG).is_file():
         return get_family(read_draft_config(directory)["model_type"]), None
@@ -78,8 +79,6 @@ def detect_format(directory: str | Path) -> tuple[Any, Any]:
 def read_draft_config(directory: str | Path) -> dict[str, Any]:
     """``draft_config.json``, checked: a known ``model_type`` and ``kwargs``. Checkpoints written before the
     aux layer ids moved into ``kwargs`` are read as if they had."""
-    from tiny_speculators.models import FAMILIES
-
     path = Path(directory) / DRAFT_CONFIG
     if not path.is_file():
         raise UserError(f"{path} does not exist: not a draft checkpoint folder")
@@ -119,8 +118,6 @@ def materialize(model_cls: type[nn.Module], kwargs: Mapping[str, Any], state: Ma
 def load_draft(directory: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32) -> tuple[nn.Module, dict[str, Any]]:
     """Rebuild the draft saved by ``checkpoint.save_draft``; floating weights in ``dtype``, maps kept int64/bool."""
-    from tiny_speculators.models import get_family
-
     directory = Path(directory)
     config = read_draft_config(directory)
     weights = directory / WEIGHTS
@@ -133,8 +130,6 @@ def load_draft(directory: str | Path, device: str | torch.device = "cpu",
 
 
 def _embeddings(verifier: str | None, directory: Path) -> torch.Tensor:
-    from tiny_speculators.verifier.describe import verifier_embeddings
-
     if not verifier:
         raise UserError(f"{directory} holds no embed_tokens.weight (the draft shares its verifier's): pass the "
                         "verifier (a local folder, an embedded name or a cached hub id) to import it")
@@ -146,8 +141,6 @@ def _embeddings(verifier: str | None, directory: Path) -> torch.Tensor:
 
 
 def _lm_head(verifier: str | None, directory: Path) -> torch.Tensor:
-    from tiny_speculators.verifier.head import load_verifier_head
-
     if not verifier:
         raise UserError(f"{directory} holds no lm_head.weight (the draft shares its verifier's): pass the verifier")
     return load_verifier_head(verifier).target_head.lm_head.weight.detach().float().clone()
@@ -211,8 +204,6 @@ def import_draft(
     recorded = dict(record.get("verifier") or {})
     verifier = verifier or recorded.get("name_or_path")
     if verifier and not recorded.get("name_or_path"):
-        from tiny_speculators.verifier.describe import verifier_config
-
         recorded["name_or_path"] = verifier
         vcfg = verifier_config(verifier)
         recorded["architectures"] = list(getattr(vcfg, "architectures", None) or [])

@@ -4,7 +4,8 @@ Modules (names as in the speculators format, so state-dict keys are the same in 
 ``Rotary`` (RoPE), the gated SiLU ``MLP``, ``Attention`` over a :class:`~tiny_speculators.models.attention.KVCache`,
 the fused-input ``DecoderLayer`` (reads ``concat(embedding, hidden)``: EAGLE-3's layer, also P-EAGLE's first) and
 the plain pre-norm ``LlamaLayer`` that follows it. Constructor steps: the checks on a draft's keyword arguments, the
-layer shape taken from them, the output norm + ``lm_head`` + RoPE + vocabulary maps, and the weight init.
+layer shape taken from them, the output norm + ``lm_head`` + RoPE + vocabulary maps, and the weight init. The base
+``FusedInputDraft``: the input layers and methods of the drafts that read EAGLE-3's fused verifier states.
 
     python -c "import torch; from tiny_speculators.models.layers import RMSNorm, Rotary; \
 cos, sin = Rotary(16, {}, 64)(torch.arange(5)[None], torch.float32); print(RMSNorm(16, 1e-6)(cos).shape)"
@@ -24,10 +25,10 @@ from tiny_speculators.errors import UserError
 from tiny_speculators.models.attention import KVCache, attend_cached
 
 __all__ = [
-    "LAYER_FIELDS", "MLP", "Attention", "DecoderLayer", "DraftOutput", "LlamaLayer", "RMSNorm", "Rotary",
-    "add_input_layers", "add_output_layers", "apply_rope", "check_aux_layer_ids", "check_heads", "check_layer_type",
-    "check_mask_token", "decoder_stack", "fuse_states", "init_weights", "layer_kwargs", "o_proj_bias",
-    "restore_after_load", "rope_or_default", "rotary_of", "to_target_ids", "to_target_logits",
+    "LAYER_FIELDS", "MLP", "Attention", "DecoderLayer", "DraftOutput", "FusedInputDraft", "LlamaLayer", "RMSNorm",
+    "Rotary", "add_output_layers", "apply_rope", "check_aux_layer_ids", "check_heads", "check_layer_type",
+    "check_mask_token", "decoder_stack", "init_weights", "layer_kwargs", "o_proj_bias", "rope_or_default",
+    "rotary_of", "to_target_ids", "to_target_logits",
 ]
 
 # The keyword arguments every decoder layer takes from its draft's kwargs (families add their own flags)
@@ -223,27 +224,6 @@ def rotary_of(kwargs: Mapping[str, Any]) -> Rotary:
     return Rotary(kwargs["head_dim"], kwargs["rope_parameters"], kwargs["max_position_embeddings"])
 
 
-def add_input_layers(draft: nn.Module, *, norm_before_fc: bool) -> None:
-    """The start of a fused-input draft's constructor: ``embed_tokens`` (frozen unless ``train_embeddings``) and,
-    with ``norm_before_fc``, one RMSNorm ``input_norm`` over the ``num_aux * Ht`` input of its ``fc``."""
-    kw = draft.kwargs
-    draft.embed_tokens = nn.Embedding(kw["vocab_size"], kw["hidden_size"])
-    draft.embed_tokens.weight.requires_grad_(kw["train_embeddings"])
-    width = kw["num_aux"] * kw["target_hidden_size"]
-    draft.input_norm = RMSNorm(width, kw["rms_norm_eps"]) if norm_before_fc else None
-
-
-def fuse_states(draft: nn.Module, aux_hidden_states: torch.Tensor) -> torch.Tensor:
-    """A fused-input draft's ``fuse``: ``[..., num_aux*Ht]`` verifier states -> ``[..., H]`` through its optional
-    ``input_norm`` (one norm over the whole input), optional ``fc_norm`` (one norm per aux chunk), then ``fc``."""
-    x = aux_hidden_states.to(draft.fc.weight.dtype)
-    if draft.input_norm is not None:
-        x = draft.input_norm(x)
-    if draft.fc_norm is not None:
-        x = torch.cat([n(c) for n, c in zip(draft.fc_norm, x.chunk(draft.num_aux, dim=-1), strict=True)], dim=-1)
-    return draft.fc(x)
-
-
 def decoder_stack(kwargs: Mapping[str, Any], num_layers: int) -> nn.ModuleList:
     """Layer 0 the fused-input :class:`DecoderLayer`, then ``num_layers - 1`` plain :class:`LlamaLayer` s, shaped by a
     draft's ``kwargs`` (with its ``layer_type`` and ``norm_before_residual``)."""
@@ -280,15 +260,51 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
             m.weight.fill_(1.0)
 
 
-def restore_after_load(draft: nn.Module, device: str | torch.device) -> None:
-    """After weights were assigned into a meta-device build: rebuild RoPE buffers, re-freeze the embeddings."""
-    draft.rotary = rotary_of(draft.kwargs).to(device)
-    draft.embed_tokens.weight.requires_grad_(bool(draft.kwargs.get("train_embeddings", False)))
-
-
 def to_target_ids(draft: nn.Module, draft_ids: torch.Tensor) -> torch.Tensor:
     """Draft-vocab ids -> target-vocab ids (``i + d2t[i]``)."""
     return draft_ids + draft.d2t[draft_ids]
+
+
+class FusedInputDraft(nn.Module):
+    """What the drafts that read EAGLE-3's fusion of verifier states share (EAGLE-3's and P-EAGLE's): the input
+    layers, their init, ``fuse``, the rebuild after a meta-device load and the vocabulary map. A subclass records its
+    ``kwargs`` first, then calls :meth:`add_input_layers`."""
+
+    def add_input_layers(self, *, norm_before_fc: bool, fc_norm: bool = False) -> None:
+        """``embed_tokens`` (frozen unless ``train_embeddings``); with ``norm_before_fc`` one RMSNorm ``input_norm``
+        over the ``num_aux * Ht`` input of ``fc``; with ``fc_norm`` one RMSNorm per aux chunk (``fc_norm.{i}``);
+        then ``fc``."""
+        kw = self.kwargs
+        self.embed_tokens = nn.Embedding(kw["vocab_size"], kw["hidden_size"])
+        self.embed_tokens.weight.requires_grad_(kw["train_embeddings"])
+        width = kw["num_aux"] * kw["target_hidden_size"]
+        self.input_norm = RMSNorm(width, kw["rms_norm_eps"]) if norm_before_fc else None
+        self.fc_norm = (nn.ModuleList([RMSNorm(kw["target_hidden_size"], kw["rms_norm_eps"])
+                                       for _ in range(kw["num_aux"])]) if fc_norm else None)
+        self.fc = nn.Linear(width, kw["hidden_size"], bias=False)
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Normal(0, std) for linear and embedding weights, zeros for biases, ones for norms."""
+        init_weights(self, std)
+
+    def after_load(self, device: str | torch.device) -> None:
+        """After weights were assigned into a meta-device build: rebuild RoPE buffers, re-freeze embeddings."""
+        self.rotary = rotary_of(self.kwargs).to(device)
+        self.embed_tokens.weight.requires_grad_(bool(self.kwargs.get("train_embeddings", False)))
+
+    def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[..., num_aux*Ht]`` verifier states -> ``[..., H]``: the optional ``input_norm`` (one norm over the whole
+        input), the optional ``fc_norm`` (one norm per aux chunk), then ``fc``."""
+        x = aux_hidden_states.to(self.fc.weight.dtype)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        if self.fc_norm is not None:
+            x = torch.cat([n(c) for n, c in zip(self.fc_norm, x.chunk(self.num_aux, dim=-1), strict=True)], dim=-1)
+        return self.fc(x)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return to_target_ids(self, draft_ids)
 
 
 def to_target_logits(draft: nn.Module, logits: torch.Tensor) -> torch.Tensor:

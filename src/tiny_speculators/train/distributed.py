@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 from tiny_speculators.errors import UserError
 
@@ -131,15 +133,11 @@ def wrap_model(model: nn.Module, info: DistInfo, fsdp: bool) -> nn.Module:
     """DDP (default) or FSDP2 ``fully_shard`` (one group: a draft is one or a few small decoder layers); unchanged for
     one process without FSDP. Frozen parameters (the embedding) are excluded from gradient sync by DDP."""
     if fsdp:
-        from torch.distributed.fsdp import fully_shard
-
         if not dist.is_initialized():  # FSDP2 needs a process group, even of size 1
             raise UserError("--fsdp needs a process group: launch with torchrun (it may be --nproc-per-node 1)")
         fully_shard(model)
         return model
     if info.enabled:
-        from torch.nn.parallel import DistributedDataParallel
-
         ids = [info.device.index] if info.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)
     return model

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.train import distributed as D
@@ -156,8 +157,6 @@ def train_loop(*, cfg: TrainOptions, max_steps: int, info: D.DistInfo, model: nn
                         "lower batch_size / grad_accum or add data")
     bar = None
     if info.is_main and cfg.progress:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=max_steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True)
     last_train: dict[str, Any] = {}
     last_val: dict[str, Any] | None = None

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tiny_speculators.models.losses import LossSpec
 from tiny_speculators.train.stage import train
 
 # the fields a checkpoint's ``args`` has always listed first (then the rest in the signature's order)
@@ -59,8 +60,6 @@ class TrainOptions:
         return {k: getattr(self, k) for k in self.RECIPE_KEYS}
 
     def loss_spec(self):
-        from tiny_speculators.models.losses import LossSpec
-
         return LossSpec.from_mapping(self.loss, self.position_weights, self.dpace_alpha)
 
     def record(self) -> dict[str, Any]:

@@ -36,6 +36,16 @@ from typing import Any
 import torch
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.producers import (
+    TRAINER_BUFFER_BYTES,
+    MooncakeMaster,
+    check_master,
+    import_mooncake_store,
+    local_hostname,
+    producer_server,
+    store_config,
+)
+from tiny_speculators.serving import build_vllm_env, enter_on_ports
 from tiny_speculators.train import distributed as D
 from tiny_speculators.train.data import collate
 from tiny_speculators.train.sources import PreparedTokens, to_device
@@ -64,18 +74,16 @@ class ProducerPool:
 
     def __init__(self, urls: list[str], master: str, *, n_layers: int, hidden_size: int, timeout: float,
                  rank: int = 0, threads: int = 4) -> None:
-        from tiny_speculators import producers as P
-
         if not urls:
             raise UserError("--producer vllm needs at least one producer (--producer-urls or --producers)")
         if not timeout > 0:
             raise UserError(f"--producer-timeout must be above 0 seconds, got {timeout}")
-        P.import_mooncake_store()
-        P.check_master(master)
+        import_mooncake_store()
+        check_master(master)
         from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
 
         # this rank lends no store memory: a sample waits in a producer's segment (the master picks which) until fetched
-        config = P.store_config(master, P.local_hostname(), 0, P.TRAINER_BUFFER_BYTES)
+        config = store_config(master, local_hostname(), 0, TRAINER_BUFFER_BYTES)
         self.store = MooncakeHiddenStatesStore(MooncakeStoreConfig(**config))
         try:
             self.store.setup()
@@ -254,9 +262,6 @@ def producer_endpoints(info: D.DistInfo, *, verifier: str, layer_ids: list[int],
 def _start(stack: contextlib.ExitStack, *, verifier: str, layer_ids: list[int], urls: list[str] | None,
            master: str | None, count: int, out: Path, vllm_venv: Path | None, dtype: str,
            max_model_len: int) -> tuple[list[str], str]:
-    from tiny_speculators.producers import MooncakeMaster, check_master, producer_server
-    from tiny_speculators.serving import build_vllm_env, enter_on_ports
-
     if master is None:
         if urls:
             raise UserError("--producer-urls needs --mooncake-master: the master those producers put hidden states "

@@ -15,18 +15,30 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from tiny_speculators.atomic import write_json_atomic
+from tiny_speculators.data.vocab import load_vocab
 from tiny_speculators.errors import UserError
+from tiny_speculators.models.checkpoint import save_draft
 from tiny_speculators.models.family import BuildInputs, DraftFamily, DraftModel
+from tiny_speculators.models.importing import import_draft
 from tiny_speculators.options import options_record
+from tiny_speculators.storage.reader import verify_extraction
 from tiny_speculators.train import checkpoint as C
 from tiny_speculators.train import distributed as D
 from tiny_speculators.train.loop import TrainState
 from tiny_speculators.train.options import TrainOptions
+from tiny_speculators.train.producer_source import ProducerPool, ProducerSource, producer_endpoints
 from tiny_speculators.train.schedule import OptimizerGroup, build_optimizer
+from tiny_speculators.train.sources import OfflineSource, OnlineSource
 from tiny_speculators.train.state_io import StateIO, state_io
+from tiny_speculators.verifier.capture import check_layer_ids
+from tiny_speculators.verifier.describe import text_config, verifier_record
+from tiny_speculators.verifier.head import head_from_model, load_verifier_head
+from tiny_speculators.verifier.load import load_verifier
+from tiny_speculators.verifier.modules import find_parts
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +62,6 @@ class Run:
         return sum(p.numel() for p in self.draft.parameters() if p.requires_grad)
 
     def _write_draft_dir(self, target: Path, model_sd, extra_files) -> None:
-        from tiny_speculators.models.checkpoint import save_draft
-
         def fill(tmp: Path) -> None:
             save_draft(tmp, self.io.cpu_draft(model_sd), self.draft_meta)
             extra_files(tmp)
@@ -94,8 +104,6 @@ class Run:
 
     def load_checkpoint(self, folder: Path) -> TrainState:
         """Restore weights, optimizer, RNG and the data position from ``folder`` (all ranks)."""
-        from safetensors.torch import load_file
-
         optim_sd, _schedule, rngs, meta = C.load_training_files(folder)
         recorded = meta["args"]
         current = self.opts.record()
@@ -122,8 +130,6 @@ class Run:
 
 def _online_aux(opts: TrainOptions, family: DraftFamily, n_layers: int) -> list[int]:
     """The aux layer ids of an online run: the family's fixed ones, or --aux-layer-ids, or the family's default."""
-    from tiny_speculators.verifier.capture import check_layer_ids
-
     if family.fixed_aux_layer_ids:
         aux = family.default_aux_layer_ids(n_layers)
         if opts.aux_layer_ids and list(opts.aux_layer_ids) != aux:
@@ -134,10 +140,6 @@ def _online_aux(opts: TrainOptions, family: DraftFamily, n_layers: int) -> list[
 
 def _producer_source(opts: TrainOptions, family: DraftFamily, info: D.DistInfo, engines: contextlib.ExitStack):
     """Online from vLLM producers through Mooncake: the verifier's head is loaded here, its layers run there."""
-    from tiny_speculators.train.producer_source import ProducerPool, ProducerSource, producer_endpoints
-    from tiny_speculators.verifier.describe import text_config
-    from tiny_speculators.verifier.head import load_verifier_head
-
     head = load_verifier_head(opts.verifier, trust_remote_code=opts.trust_remote_code)
     vcfg = text_config(head.config)
     n_layers = int(vcfg.num_hidden_layers)
@@ -161,22 +163,14 @@ def _source_and_head(opts: TrainOptions, family: DraftFamily, info: D.DistInfo, 
     if opts.online and opts.producer == "vllm":
         return _producer_source(opts, family, info, engines)
     if opts.online:
-        from tiny_speculators.train.sources import OnlineSource
-        from tiny_speculators.verifier.head import head_from_model
-        from tiny_speculators.verifier.load import load_verifier
-        from tiny_speculators.verifier.modules import find_parts
-
         vdtype = "bfloat16" if opts.precision == "bf16" and info.device.type == "cuda" else "float32"
         verifier, _ = load_verifier(opts.verifier, dtype=vdtype, device=info.device,
                                     trust_remote_code=opts.trust_remote_code, with_tokenizer=False)
         aux = _online_aux(opts, family, find_parts(verifier).num_hidden_layers)
         return OnlineSource(opts.data, verifier, aux, opts.max_length), head_from_model(verifier), aux
-    from tiny_speculators.verifier.head import load_verifier_head
 
     head = load_verifier_head(opts.verifier, trust_remote_code=opts.trust_remote_code)
     if family.fixed_aux_layer_ids:  # e.g. [N]: the last state, which the full layouts store beside the aux layers
-        from tiny_speculators.verifier.describe import text_config
-
         n_layers = int(text_config(head.config).num_hidden_layers)
         fixed = family.default_aux_layer_ids(n_layers)
         if opts.aux_layer_ids and list(opts.aux_layer_ids) != fixed:
@@ -198,9 +192,6 @@ def _offline_source(opts: TrainOptions, info: D.DistInfo, aux_layer_ids: list[in
     """The stored samples. One process checks each shard's checksum when it first reads it; the ranks of a
     distributed run (possibly on several nodes reading shared storage) split one checksum pass up front, each
     hashing ``shards[rank::world_size]``, so each byte is hashed once per run rather than once per rank."""
-    from tiny_speculators.storage.reader import verify_extraction
-    from tiny_speculators.train.sources import OfflineSource
-
     if not info.enabled:
         return OfflineSource(opts.hidden_states, aux_layer_ids=aux_layer_ids)
     report = verify_extraction(opts.hidden_states, share=(info.rank, info.world_size))
@@ -213,8 +204,6 @@ def _offline_source(opts: TrainOptions, info: D.DistInfo, aux_layer_ids: list[in
 
 
 def _initial_draft(opts: TrainOptions, family: DraftFamily, head, aux: list[int], d2t, t2d) -> DraftModel:
-    from tiny_speculators.verifier.describe import text_config
-
     if opts.init_from is None:
         lm_head_w = head.target_head.lm_head.weight.detach().float() if opts.init_lm_head else None
         inputs = BuildInputs(verifier_config=text_config(head.config), d2t=d2t, t2d=t2d, aux_layer_ids=list(aux),
@@ -222,8 +211,6 @@ def _initial_draft(opts: TrainOptions, family: DraftFamily, head, aux: list[int]
                              verifier_path=opts.verifier)
         return family.build(inputs, opts.family)
     # our checkpoint, or a published draft (speculators / SGLang format)
-    from tiny_speculators.models.importing import import_draft
-
     draft, dcfg = import_draft(opts.init_from, verifier=opts.verifier)
     if dcfg["model_type"] in family.warm_starts:  # another family's draft this one starts from
         log.info("warm start: %s draft %s -> %s", dcfg["model_type"], opts.init_from, family.name)
@@ -274,9 +261,6 @@ def freeze_parameters(draft: nn.Module, names: list[str]) -> None:
 
 def build_run(info: D.DistInfo, opts: TrainOptions, family: DraftFamily, engines: contextlib.ExitStack) -> Run:
     """``engines`` owns what the run starts (vLLM producers, a Mooncake master): closing it stops them."""
-    from tiny_speculators.data.vocab import load_vocab
-    from tiny_speculators.verifier.describe import text_config, verifier_record
-
     source, head, aux = _source_and_head(opts, family, info, engines)
     if opts.vocab is None:  # the family drafts over the verifier's whole vocabulary (uses_verifier_vocab)
         size = int(text_config(head.config).vocab_size)
@@ -302,8 +286,6 @@ def build_run(info: D.DistInfo, opts: TrainOptions, family: DraftFamily, engines
 
 
 def _check_manifest(manifest: dict[str, Any], config, opts: TrainOptions) -> None:
-    from tiny_speculators.verifier.describe import text_config
-
     vcfg = text_config(config)
     hs = manifest.get("hidden_size")
     if hs is not None and int(hs) != int(vcfg.hidden_size):

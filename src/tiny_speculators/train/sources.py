@@ -17,8 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from tiny_speculators.data.prepared import load_prepared
 from tiny_speculators.errors import UserError
+from tiny_speculators.storage.reader import HiddenStateReader
 from tiny_speculators.train.data import collate, prompt_keys
+from tiny_speculators.verifier.capture import capture_hidden_states
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +34,6 @@ class OfflineSource:
     """
 
     def __init__(self, hidden_states: Path, verify: bool = True, aux_layer_ids: list[int] | None = None) -> None:
-        from tiny_speculators.storage.reader import HiddenStateReader
-
         self.reader = HiddenStateReader(hidden_states, verify=verify)
         self.manifest: dict[str, Any] = self.reader.manifest
         if len(self.reader) == 0:
@@ -114,8 +115,6 @@ class OnlineSource(PreparedTokens):
         self.aux_layer_ids = list(aux_layer_ids)
 
     def batch(self, indices: list[int], device: torch.device, pack: bool) -> dict[str, Any]:
-        from tiny_speculators.verifier.capture import capture_hidden_states
-
         samples = self.token_samples(indices)
         batch = to_device(collate(samples, pack=pack), device)
         if pack:  # the verifier sees each document separately: run it on the padded form, then pack the states
@@ -134,8 +133,6 @@ class OnlineSource(PreparedTokens):
 
 
 def _load_prepared_dataset(prepared: Path):
-    from tiny_speculators.data.prepared import load_prepared
-
     return load_prepared(prepared).dataset
 
 

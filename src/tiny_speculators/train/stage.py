@@ -33,11 +33,13 @@ import torch
 from tiny_speculators.atomic import write_json_atomic
 from tiny_speculators.errors import UserError
 from tiny_speculators.models import DEFAULT_ALGORITHM, FAMILIES, Algorithm, get_family
+from tiny_speculators.models.losses import LossSpec
 from tiny_speculators.options import parse_options
+from tiny_speculators.serving import sigterm_as_exit
 from tiny_speculators.tables import print_summary_table
 from tiny_speculators.train import checkpoint as C
 from tiny_speculators.train import distributed as D
-from tiny_speculators.train.data import split_train_val
+from tiny_speculators.train.data import plan_epoch, split_train_val
 from tiny_speculators.train.loop import TrainState, train_loop
 from tiny_speculators.train.metrics import MetricsLogger, plot_metrics
 
@@ -204,7 +206,7 @@ def _family_options(algorithm: str, family_options: dict[str, Any]) -> Any:
 
 def _typed(arguments: dict[str, Any], family: Any) -> TrainOptions:
     """``train``'s arguments as one frozen object (paths as ``Path``, sequences as fresh lists and dicts)."""
-    from tiny_speculators.train.options import TrainOptions
+    from tiny_speculators.train.options import TrainOptions  # a cycle at the top (see TYPE_CHECKING above)
 
     a = dict(arguments)
     a["out"] = Path(a["out"])
@@ -256,8 +258,6 @@ def _check_numbers(opts: TrainOptions) -> None:
 
 
 def _check_loss_and_attention(opts: TrainOptions) -> None:
-    from tiny_speculators.models.losses import LossSpec
-
     try:
         LossSpec.from_mapping(opts.loss, opts.position_weights, opts.dpace_alpha)
     except ValueError as e:
@@ -276,7 +276,7 @@ def _seed_everything(seed: int) -> None:
 
 
 def _train(info: D.DistInfo, opts: TrainOptions) -> dict[str, Any]:
-    from tiny_speculators.train.setup import build_run
+    from tiny_speculators.train.setup import build_run  # setup.py imports train/options.py, which imports this
 
     out = opts.out
     resume_from = C.latest_checkpoint(out) if opts.resume else None
@@ -290,16 +290,12 @@ def _train(info: D.DistInfo, opts: TrainOptions) -> dict[str, Any]:
     _seed_everything(opts.seed)
     # vLLM producers / a Mooncake master this run starts are always stopped: on errors, Ctrl-C, and SIGTERM (what
     # torchrun sends the other ranks when one fails), which otherwise ends the process without unwinding
-    from tiny_speculators.serving import sigterm_as_exit
-
     guard = sigterm_as_exit() if opts.producer == "vllm" else contextlib.nullcontext()
     with guard, contextlib.ExitStack() as engines:
         return _train_with(info, opts, resume_from, build_run(info, opts, get_family(opts.algorithm), engines))
 
 
 def _train_with(info: D.DistInfo, opts: TrainOptions, resume_from: Path | None, run) -> dict[str, Any]:
-    from tiny_speculators.train.data import plan_epoch
-
     out = opts.out
     # answers to one prompt (and turns of one conversation) stay on one side: a validation sample's prompt unseen
     train_idx, val_idx = split_train_val(len(run.source), opts.eval_fraction, opts.seed,

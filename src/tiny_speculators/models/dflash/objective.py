@@ -42,8 +42,8 @@ from tiny_speculators.models.ttt import positions_of
 KEEP = "_dflash_anchors"  # batch key: (anchors [B, N], valid [B, N]) set by loss_counts
 METRIC_KEYS = ("loss_sum", "wloss_sum", "count", "correct", "cond_correct", "cond_count")
 
-__all__ = ["DFlashObjective", "at_anchors", "batch_anchors", "block_hidden", "block_inputs", "candidate_anchors",
-           "documents", "sample_anchors", "slot_weights", "verifier_targets"]
+__all__ = ["DFlashObjective", "anchored", "at_anchors", "batch_anchors", "block_hidden", "block_inputs",
+           "candidate_anchors", "documents", "sample_anchors", "slot_weights", "verifier_targets"]
 
 
 def documents(batch: Mapping[str, Any]) -> torch.Tensor:
@@ -111,6 +111,14 @@ def at_anchors(per_position: torch.Tensor, anchors: torch.Tensor, ok: torch.Tens
     """``[B, T, X]`` per-position flags -> ``[B, N, X]`` at the sampled ``anchors [B, N]`` (False where not ``ok``)."""
     index = anchors[:, :, None].expand(-1, -1, per_position.shape[2])
     return per_position.gather(1, index) & ok[:, :, None]
+
+
+def anchored(batch: dict[str, Any], key: str, block_size: int, per_document: int, training: bool,
+             per_position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This forward's anchors ``[B, N]`` (:func:`batch_anchors`) and the ``[B, T, X]`` per-position flags at them,
+    ``[B, N, X]`` (:func:`at_anchors`)."""
+    anchors, ok = batch_anchors(batch, key, block_size, per_document, training)
+    return anchors, at_anchors(per_position, anchors, ok)
 
 
 def block_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, doc: torch.Tensor, anchors: torch.Tensor,
@@ -191,23 +199,19 @@ class DFlashObjective(nn.Module):
         self.gamma, self.dpace_alpha = gamma, dpace_alpha
         self.chunk_size, self.anchor_chunk, self.checkpoint = chunk_size, anchor_chunk, checkpoint
 
-    def _anchors(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        return batch_anchors(batch, KEEP, self.block_size, self.anchors, self.training)
-
-    def _slot_valid(self, batch: dict[str, Any], anchors: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-        v = slot_targets_valid(batch["loss_mask"], documents(batch), self.block_size)  # (B, T, L)
-        return at_anchors(v, anchors, ok)  # (B, N, L)
+    def _anchored(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The anchors ``[B, N]`` and which of their block's ``L`` slots have a target ``[B, N, L]``."""
+        valid = slot_targets_valid(batch["loss_mask"], documents(batch), self.block_size)  # (B, T, L)
+        return anchored(batch, KEEP, self.block_size, self.anchors, self.training, valid)
 
     def loss_counts(self, batch: dict[str, Any]) -> torch.Tensor:
         """``[L-1]`` valid mask slots per slot index (samples the anchors for the coming forward)."""
-        anchors, ok = self._anchors(batch)
-        return self._slot_valid(batch, anchors, ok).sum(dim=(0, 1))[1:]
+        return self._anchored(batch)[1].sum(dim=(0, 1))[1:]
 
     def forward(self, batch: dict[str, Any], loss_normalizer: torch.Tensor | None = None) -> StepOutput:
         ids = batch["input_ids"]
         t = ids.shape[1]
-        anchors, ok = self._anchors(batch)
-        valid = self._slot_valid(batch, anchors, ok)  # (B, N, L)
+        anchors, valid = self._anchored(batch)  # (B, N), (B, N, L)
         size = self.block_size
         hidden, context = block_hidden(self.draft, batch, anchors, self.anchor_chunk)  # (B, N, L, H)
         sel = torch.nonzero(valid, as_tuple=True)

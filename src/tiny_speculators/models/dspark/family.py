@@ -22,6 +22,7 @@ from tiny_speculators.models.dspark.objective import DSparkObjective
 from tiny_speculators.models.dspark.proposer import DSparkProposer
 from tiny_speculators.models.family import BuildInputs, DraftFamily
 from tiny_speculators.models.losses import LossSpec
+from tiny_speculators.options import NON_NEGATIVE, check_ranges
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,7 @@ class DSparkOptions:
 
     def __post_init__(self) -> None:
         dflash_family.check_block_options(self)
-        if self.markov_rank < 0:
-            raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank}")
+        check_ranges(("markov_rank", self.markov_rank, NON_NEGATIVE))
         if min(self.ce_weight, self.tv_weight, self.confidence_weight) < 0:
             raise ValueError("ce_weight, tv_weight and confidence_weight must be >= 0")
         if self.confidence_head and self.confidence_with_markov and not self.markov_rank:

@@ -26,8 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as grad_checkpoint
 
 from tiny_speculators.models.dflash.objective import (
-    at_anchors,
-    batch_anchors,
+    anchored,
     block_hidden,
     documents,
     slot_targets_valid,
@@ -90,23 +89,19 @@ class DSparkObjective(nn.Module):
         self.confidence_weight = confidence_weight if draft.confidence_head is not None else 0.0
         self.chunk_size, self.anchor_chunk, self.checkpoint = chunk_size, anchor_chunk, checkpoint
 
-    def _anchors(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        return batch_anchors(batch, KEEP, self.block_size, self.anchors, self.training)
-
-    def _valid(self, batch: dict[str, Any], anchors: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-        v = prediction_valid(batch["loss_mask"], documents(batch), self.predictions)  # (B, T, P)
-        return at_anchors(v, anchors, ok)  # (B, N, P)
+    def _anchored(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The anchors ``[B, N]`` and which of their ``P`` predictions count ``[B, N, P]``."""
+        valid = prediction_valid(batch["loss_mask"], documents(batch), self.predictions)  # (B, T, P)
+        return anchored(batch, KEEP, self.block_size, self.anchors, self.training, valid)
 
     def loss_counts(self, batch: dict[str, Any]) -> torch.Tensor:
         """``[P]`` valid predictions per index (samples the anchors for the coming forward)."""
-        anchors, ok = self._anchors(batch)
-        return self._valid(batch, anchors, ok).sum(dim=(0, 1))
+        return self._anchored(batch)[1].sum(dim=(0, 1))
 
     def forward(self, batch: dict[str, Any], loss_normalizer: torch.Tensor | None = None) -> StepOutput:
         ids = batch["input_ids"]
         b, t = ids.shape
-        anchors, ok = self._anchors(batch)
-        valid = self._valid(batch, anchors, ok)  # (B, N, P)
+        anchors, valid = self._anchored(batch)  # (B, N), (B, N, P)
         n_pred, draft = self.predictions, self.draft
         hidden, context = block_hidden(draft, batch, anchors, self.anchor_chunk,
                                        keep=slice(self.first_slot, self.first_slot + n_pred))  # (B, N, P, H)

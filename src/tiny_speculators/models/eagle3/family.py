@@ -27,7 +27,9 @@ from tiny_speculators.models.eagle3.verifier_init import init_from_verifier_laye
 from tiny_speculators.models.family import BuildInputs, DraftFamily, resolve_layer_type
 from tiny_speculators.models.losses import LossSpec
 from tiny_speculators.models.shape import verifier_shape
+from tiny_speculators.options import AT_LEAST_1, FRACTION, check_ranges
 from tiny_speculators.verifier.capture import default_aux_layer_ids
+from tiny_speculators.verifier.load import resolve_verifier
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +68,8 @@ class Eagle3Options:
     init_layer: int | None = None
 
     def __post_init__(self) -> None:
-        if self.ttt_steps < 1:
-            raise ValueError(f"ttt_steps must be at least 1, got {self.ttt_steps}")
-        if not 0 < self.decay <= 1:
-            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
-        if self.num_layers < 1:
-            raise ValueError(f"num_layers must be at least 1, got {self.num_layers}")
+        check_ranges(("ttt_steps", self.ttt_steps, AT_LEAST_1), ("decay", self.decay, FRACTION),
+                     ("num_layers", self.num_layers, AT_LEAST_1))
 
 
 def draft_kwargs_from_verifier(verifier_config: Any, draft_vocab_size: int, **overrides: Any) -> dict[str, Any]:
@@ -114,8 +112,6 @@ def build(inputs: BuildInputs, options: Eagle3Options) -> Eagle3Draft:
     draft = build_draft(kwargs, inputs.d2t, inputs.t2d, embed_weight=inputs.embed_weight,
                         lm_head_weight=inputs.lm_head_weight)
     if options.init == "verifier":
-        from tiny_speculators.verifier.load import resolve_verifier
-
         if inputs.verifier_path is None:
             raise UserError("eagle3 init 'verifier' reads a verifier layer, but no verifier folder was given")
         layer = inputs.aux_layer_ids[-1] if options.init_layer is None else options.init_layer

@@ -30,21 +30,15 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from torch import nn
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.attention import KVCache
 from tiny_speculators.models.layers import (
     DraftOutput,
-    RMSNorm,
-    add_input_layers,
+    FusedInputDraft,
     add_output_layers,
     check_layer_type,
     decoder_stack,
-    fuse_states,
-    init_weights,
-    restore_after_load,
-    to_target_ids,
 )
 from tiny_speculators.models.shape import DraftShape
 
@@ -59,7 +53,7 @@ KWARGS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_hea
           "fc_norm", "norm_output", "train_embeddings", "hidden_act", "aux_layer_ids")
 
 
-class Eagle3Draft(nn.Module):
+class Eagle3Draft(FusedInputDraft):
     """EAGLE-3 draft (one decoder layer, or ``num_layers``), built from plain keyword arguments.
 
     Args:
@@ -100,26 +94,10 @@ class Eagle3Draft(nn.Module):
         self.target_hidden_size = s.target_hidden_size
         self.norm_output = norm_output
 
-        add_input_layers(self, norm_before_fc=norm_before_fc)  # embed_tokens, input_norm
-        self.fc_norm = (nn.ModuleList([RMSNorm(s.target_hidden_size, s.rms_norm_eps) for _ in range(s.num_aux)])
-                        if fc_norm else None)
-        self.fc = nn.Linear(s.num_aux * s.target_hidden_size, s.hidden_size, bias=False)
+        self.add_input_layers(norm_before_fc=norm_before_fc, fc_norm=fc_norm)  # embed_tokens, input_norm, fc_norm, fc
         self.layers = decoder_stack(self.kwargs, num_layers)
         add_output_layers(self)  # norm, lm_head, rotary, d2t, t2d
         self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02) -> None:
-        """Normal(0, std) for linear and embedding weights, zeros for biases, ones for norms."""
-        init_weights(self, std)
-
-    def after_load(self, device: str | torch.device) -> None:
-        """After weights were assigned into a meta-device build: rebuild RoPE buffers, re-freeze embeddings."""
-        restore_after_load(self, device)
-
-    def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[B, T, num_aux*Ht]`` verifier states -> ``[B, T, H]`` (optional input_norm / fc_norm, then fc)."""
-        return fuse_states(self, aux_hidden_states)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """A step's output ``[..., H]`` (pre-norm; post-norm with ``norm_output``) -> logits ``[..., draft_vocab]``."""
@@ -155,6 +133,3 @@ class Eagle3Draft(nn.Module):
         if self.norm_output:
             out = self.norm(out)  # (B, T, H), fed back as it is
         return Eagle3Output(logits=self.compute_logits(out) if logits else None, hidden_states=out)
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return to_target_ids(self, draft_ids)

@@ -24,6 +24,7 @@ import torch
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.eagle3.model import Eagle3Draft
+from tiny_speculators.verifier.describe import read_tensors, safetensor_index
 
 __all__ = ["init_from_verifier_layer"]
 
@@ -32,8 +33,6 @@ NORM_KEYS = ("model.norm.weight", "norm.weight", "model.language_model.norm.weig
 
 def _tensors(folder: str, first: int, count: int) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
     """Verifier layers ``first .. first + count - 1`` (names relative to the layer) and its final norm, one read."""
-    from tiny_speculators.verifier.describe import read_tensors, safetensor_index
-
     index = safetensor_index(Path(folder))
     if not index:
         raise UserError(f"eagle3 init 'verifier' reads the verifier's decoder layer from its safetensors, and "

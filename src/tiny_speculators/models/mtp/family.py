@@ -28,6 +28,7 @@ from tiny_speculators.models.mtp.model import MTPDraft
 from tiny_speculators.models.mtp.objective import MTPObjective
 from tiny_speculators.models.mtp.proposer import MTPProposer
 from tiny_speculators.models.mtp.weights import mtp_layout, read_prefixed, read_shared, verifier_folder
+from tiny_speculators.options import AT_LEAST_1, FRACTION, NON_NEGATIVE, check_ranges
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +50,8 @@ class MTPOptions:
     layer: int = 0
 
     def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ValueError(f"steps must be at least 1, got {self.steps}")
-        if not 0 < self.beta <= 1:
-            raise ValueError(f"beta must be in (0, 1], got {self.beta}")
-        if self.layer < 0:
-            raise ValueError(f"layer must be >= 0, got {self.layer}")
+        check_ranges(("steps", self.steps, AT_LEAST_1), ("beta", self.beta, FRACTION),
+                     ("layer", self.layer, NON_NEGATIVE))
 
 
 def _layer_weights(path: str, draft: MTPDraft, options: MTPOptions) -> dict[str, torch.Tensor]:

@@ -26,7 +26,7 @@ import torch
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.family import DraftFormat, ExportInfo
-from tiny_speculators.models.files import cast_state, require
+from tiny_speculators.models.files import cast_state, read_json, read_weights, require
 from tiny_speculators.models.mtp import deepseek
 from tiny_speculators.models.mtp.model import BIASES, LAYER_TENSORS, SHARED, MTPDraft
 from tiny_speculators.models.mtp.weights import mtp_layout, verifier_folder
@@ -89,8 +89,6 @@ def draft_kwargs(cfg: Mapping[str, Any], where: str, mtp_index: int = 0) -> dict
 
 
 def write(draft, info: ExportInfo) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    from tiny_speculators.models.files import read_json, read_weights
-
     if info.speculative_tokens < 1:
         raise UserError(f"speculative_tokens must be at least 1, got {info.speculative_tokens}")
     folder = verifier_folder(info.verifier_name)

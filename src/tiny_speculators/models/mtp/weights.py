@@ -21,6 +21,7 @@ import torch
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.verifier.describe import read_prefixed, read_tensors, safetensor_index
+from tiny_speculators.verifier.load import resolve_verifier
 
 __all__ = ["mtp_layout", "read_mimo_layer", "read_prefixed", "read_shared", "verifier_folder"]
 
@@ -29,8 +30,6 @@ EMBED_KEYS = ("model.embed_tokens.weight", "embed_tokens.weight")
 
 def verifier_folder(name: str) -> Path:
     """The local folder of a verifier (a path or an embedded name); a hub id gets a one-line error."""
-    from tiny_speculators.verifier.load import resolve_verifier
-
     folder = Path(resolve_verifier(name))
     if not folder.is_dir():
         raise UserError(f"verifier {name!r} is not a local folder: MTP weights are read from the verifier's own "

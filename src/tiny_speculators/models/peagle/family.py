@@ -20,6 +20,7 @@ from tiny_speculators.models.peagle.model import PEagleDraft
 from tiny_speculators.models.peagle.objective import PEagleObjective
 from tiny_speculators.models.peagle.proposer import PEagleProposer
 from tiny_speculators.models.shape import DraftShape
+from tiny_speculators.options import AT_LEAST_1, FRACTION, check_ranges
 from tiny_speculators.verifier.capture import default_aux_layer_ids
 
 
@@ -50,14 +51,10 @@ class PEagleOptions:
     norm_before_residual: bool = False
 
     def __post_init__(self) -> None:
-        if self.depths < 1:
-            raise ValueError(f"depths must be at least 1, got {self.depths}")
-        if self.num_layers < 1:
-            raise ValueError(f"num_layers must be at least 1, got {self.num_layers}")
+        check_ranges(("depths", self.depths, AT_LEAST_1), ("num_layers", self.num_layers, AT_LEAST_1))
         if not 0 < self.ratio <= 1 or not 0 <= self.ratio_min <= 1:
             raise ValueError(f"ratio must be in (0, 1] and ratio_min in [0, 1], got {self.ratio}, {self.ratio_min}")
-        if not 0 < self.decay <= 1:
-            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+        check_ranges(("decay", self.decay, FRACTION))
 
 
 def build(inputs: BuildInputs, options: PEagleOptions) -> PEagleDraft:

@@ -35,15 +35,11 @@ from tiny_speculators.errors import UserError
 from tiny_speculators.models.attention import KVCache
 from tiny_speculators.models.layers import (
     DraftOutput,
-    add_input_layers,
+    FusedInputDraft,
     add_output_layers,
     check_layer_type,
     check_mask_token,
     decoder_stack,
-    fuse_states,
-    init_weights,
-    restore_after_load,
-    to_target_ids,
 )
 from tiny_speculators.models.shape import DraftShape
 
@@ -56,7 +52,7 @@ KWARGS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_hea
           "norm_before_residual", "norm_before_fc", "train_embeddings", "hidden_act", "aux_layer_ids")
 
 
-class PEagleDraft(nn.Module):
+class PEagleDraft(FusedInputDraft):
     """P-EAGLE draft: EAGLE-3's fused inputs, ``num_layers`` decoder layers, a learned mask hidden state.
 
     Args:
@@ -90,9 +86,7 @@ class PEagleDraft(nn.Module):
         self.hidden_size, self.draft_vocab_size, self.num_aux = s.hidden_size, s.draft_vocab_size, s.num_aux
         self.target_hidden_size, self.mask_token_id = s.target_hidden_size, mask_token_id
 
-        add_input_layers(self, norm_before_fc=norm_before_fc)  # embed_tokens, input_norm
-        self.fc_norm = None  # vLLM's P-EAGLE reads no fc_norm
-        self.fc = nn.Linear(s.num_aux * s.target_hidden_size, s.hidden_size, bias=False)
+        self.add_input_layers(norm_before_fc=norm_before_fc)  # embed_tokens, input_norm, fc (P-EAGLE: no fc_norm)
         self.mask_hidden = nn.Parameter(torch.zeros(1, 1, s.num_aux * s.target_hidden_size))  # pre-fc, like aux states
         self.layers = decoder_stack(self.kwargs, num_layers)
         add_output_layers(self)  # norm, lm_head, rotary, d2t, t2d
@@ -101,16 +95,8 @@ class PEagleDraft(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
         """Normal(0, std) for linear/embedding weights, zero biases, unit norms; N(0, 1) for the mask hidden state."""
-        init_weights(self, std)
+        super().reset_parameters(std)
         self.mask_hidden.normal_(0.0, 1.0)  # the scale of verifier states, which fc was made for
-
-    def after_load(self, device: str | torch.device) -> None:
-        """After weights were assigned into a meta-device build: rebuild RoPE buffers, re-freeze embeddings."""
-        restore_after_load(self, device)
-
-    def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[..., num_aux*Ht]`` verifier states (or the mask hidden state) -> ``[..., H]`` (input_norm?, fc)."""
-        return fuse_states(self, aux_hidden_states)
 
     def mask_state(self) -> torch.Tensor:
         """The hidden state of every mask slot, ``fc(input_norm?(mask_hidden))``: ``[H]``."""
@@ -148,6 +134,3 @@ class PEagleDraft(nn.Module):
         for layer, cache in zip(self.layers[1:], caches[1:], strict=True):
             x = layer(x, cos, sin, attention_mask, cache)
         return DraftOutput(logits=self.compute_logits(x) if logits else None, hidden_states=x)
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return to_target_ids(self, draft_ids)
