@@ -216,7 +216,8 @@ class MTPDraft(nn.Module):
             input_ids: ``[B, T]`` the token after each position (``x_{t+1}``).
             hidden_states: ``[B, T, H]``: the verifier's last pre-norm state, or the previous step's output.
             position_ids: ``[B, T]`` RoPE positions; the token embedding is zeroed where it is 0.
-            attention_mask, cache: as in :class:`~tiny_speculators.models.eagle3.model.Eagle3Draft`.
+            attention_mask: a mask over all keys, cached + new (the TTT masks of ``models/attention.py``); None: causal.
+            cache: a :class:`~tiny_speculators.models.attention.KVCache` the new keys/values are appended to.
             logits: compute ``lm_head(y)``; False returns only ``y`` (the loss computes logits in chunks).
 
         Returns ``hidden_states = y`` (after ``final_layernorm``; fed back at the next chained step).
