@@ -49,7 +49,7 @@ class EnvBuild:
         self.venv, self.mooncake = venv, mooncake
         self.error: str | None = None
         self._proc: subprocess.Popen | None = None
-        self.log = Path(tempfile.mkstemp(prefix="vllm-env-", suffix=".log")[1])
+        self.log: Path | None = None  # made when a build runs
         self._thread = threading.Thread(target=self._build, name="vllm-env-build", daemon=True)
 
     def start(self) -> EnvBuild:
@@ -61,6 +61,7 @@ class EnvBuild:
 
         if not missing_markers(self.venv, self.mooncake):
             return
+        self.log = Path(tempfile.mkstemp(prefix="vllm-env-", suffix=".log")[1])
         argv = ["bash", str(VLLM_ENV_SCRIPT), *(["--mooncake"] if self.mooncake else [])]
         try:
             with self.log.open("w") as log:
