@@ -163,7 +163,7 @@ def _objective_and_proposal(family, verifier: Path, vocab: Path) -> dict[str, st
     out.loss.backward()
     grads = {n: p.grad for n, p in draft.named_parameters() if p.grad is not None}
     result = {"init_state": _digest(draft.state_dict()), "loss": repr(out.loss.item()), "grads": _digest(grads),
-              "metrics": _digest({k: v for k, v in out.metrics.items()})}
+              "metrics": _digest(dict(out.metrics))}
     proposer = family.proposer(draft.eval())
     proposer.reset()
     first = ids[0, :10].tolist()
