@@ -18,7 +18,7 @@
 #   TINY_SPECULATORS_VLLM_VENV=/some/dir bash scripts/vllm_env.sh
 #
 # Idempotent: a venv that finished installing (marker file) and imports vllm is left as is;
-# a half-built one is removed and built again. GuideLLM and Mooncake have their own markers, so an
+# a half-built one is removed and built again; builds of the same venv wait for each other (flock). GuideLLM and Mooncake have their own markers, so an
 # existing venv only gains them (about 30 s each).
 set -euo pipefail
 
@@ -39,6 +39,17 @@ GUIDELLM_MARKER="$VENV/.tiny-speculators-guidellm-$GUIDELLM_VERSION"
 MOONCAKE_VERSION="${MOONCAKE_VERSION:-0.3.13.post1}"
 HS_CONNECTORS_VERSION="${HS_CONNECTORS_VERSION:-0.9.0}"
 MOONCAKE_MARKER="$VENV/.tiny-speculators-mooncake-$MOONCAKE_VERSION-hs-$HS_CONNECTORS_VERSION"
+
+# one build at a time per venv (two stages, or two test processes, started together on a fresh machine): the
+# second waits here, then finds the first one's markers
+mkdir -p "$(dirname "$VENV")"
+if command -v flock >/dev/null 2>&1; then
+    exec 9>"$VENV.lock"
+    if ! flock -n 9; then
+        echo "waiting for another build of $VENV to finish"
+        flock 9
+    fi
+fi
 
 start=$(date +%s)
 if [ -f "$MARKER" ] && "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then

@@ -121,3 +121,30 @@ def test_mooncake_is_added_only_when_asked_and_its_missing_libraries_are_named(t
     assert "\n" not in message and "libibverbs1 libnl-3-200 libnl-route-3-200 librdmacm1" in message
     assert "mooncake-transfer-engine-non-cuda" in (venv / "pip.log").read_text()
     assert "libibverbs.so.1" in (tmp_path / "env.log").read_text()
+
+
+def test_a_second_build_of_the_same_environment_waits_for_the_first(tmp_path):
+    """Two stages (or test processes) that build the vLLM environment at once: the second waits for the lock the first
+    holds (here: this test), then finds the environment finished instead of removing it half-built."""
+    import fcntl
+    import shutil
+    import subprocess
+    import time
+
+    from tiny_speculators.serving import VLLM_ENV_SCRIPT
+
+    if shutil.which("flock") is None:
+        pytest.skip("no flock(1) here: the script builds without the lock")
+    venv = _finished_venv(tmp_path)
+    env = {"PATH": "/usr/bin:/bin", "TINY_SPECULATORS_VLLM_VENV": str(venv)}
+    with open(f"{venv}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        second = subprocess.Popen(["bash", str(VLLM_ENV_SCRIPT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env)
+        time.sleep(2.0)
+        assert second.poll() is None, second.communicate()  # still waiting
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    out, err = second.communicate(timeout=60)
+    assert second.returncode == 0, err
+    assert out.splitlines()[0] == f"waiting for another build of {venv} to finish"
+    assert f"vllm venv ready: {venv}" in out and (venv / ".tiny-speculators-complete").is_file()
