@@ -11,6 +11,7 @@ starts in the background once collection ends and those tests run last, so the b
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -19,15 +20,60 @@ import torch
 TINY_LAYERS = 8
 
 
+MAX_WORKERS = 2  # each worker may hold a vLLM server with its KV cache (4 GiB) beside a tiny training run
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (pyproject's addopts): one worker per core, at most :data:`MAX_WORKERS`."""
+    return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+
+
+def xdist_workers() -> int:
+    """How many pytest-xdist workers share this machine (1 without xdist)."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
+if xdist_workers() > 1:  # each worker (and what it starts) gets its share of the cores, not all of them each
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // xdist_workers())))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+VLLM_GROUP = "vllm:"  # prefix of the xdist groups of vLLM tests (the controller builds the environment for them)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    """vLLM tests last (stable otherwise), so that the vLLM environment builds while the CPU tests run."""
+    """vLLM tests last (stable otherwise), so that the vLLM environment builds while the CPU tests run.
+
+    Under ``pytest -n N --dist loadgroup`` (pyproject's addopts) a test module runs on one worker, so its module
+    fixtures are built once, and the vLLM export proofs, which share one vLLM worker process, run together.
+    """
     items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
+    for item in items:
+        path = Path(str(item.path)).relative_to(Path(__file__).parent)
+        if item.get_closest_marker("vllm"):
+            group = VLLM_GROUP + ("export" if path.parts[0] == "export" else str(path))
+        else:
+            group = str(path)
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_collection_finish(session):
+    """Without xdist: start the vLLM environment's build when vLLM tests are selected (under xdist the controller
+    does, below, so that one build serves every worker and lives as long as the session)."""
     import vllm_env
 
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     if not vllm_env.skip_requested() and any(item.get_closest_marker("vllm") for item in session.items):
+        vllm_env.start_build()
+
+
+def pytest_xdist_node_collection_finished(node, ids):
+    """The xdist controller: a worker collected vLLM tests (their ids end in their ``@vllm:`` group)."""
+    import vllm_env
+
+    if not vllm_env.skip_requested() and any("@" + VLLM_GROUP in i for i in ids):
         vllm_env.start_build()
 
 
