@@ -38,42 +38,28 @@ if xdist_workers() > 1:  # each worker (and what it starts) gets its share of th
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-VLLM_GROUP = "vllm:"  # prefix of the xdist groups of vLLM tests (the controller builds the environment for them)
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """vLLM tests last (stable otherwise), so that the vLLM environment builds while the CPU tests run.
 
-    Under ``pytest -n N --dist loadgroup`` (pyproject's addopts) a test module runs on one worker, so its module
-    fixtures are built once, and the vLLM export proofs, which share one vLLM worker process, run together.
+    Under ``-n N --dist loadfile`` (pyproject's addopts) a test module runs on one worker, as one piece: a module
+    holds vLLM tests or CPU tests, never both, or its CPU tests would wait for the environment's build.
     """
-    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
+    kinds: dict[Path, set[bool]] = {}
     for item in items:
-        path = Path(str(item.path)).relative_to(Path(__file__).parent)
-        if item.get_closest_marker("vllm"):
-            group = VLLM_GROUP + ("export" if path.parts[0] == "export" else str(path))
-        else:
-            group = str(path)
-        item.add_marker(pytest.mark.xdist_group(group))
+        kinds.setdefault(Path(str(item.path)), set()).add(item.get_closest_marker("vllm") is not None)
+    mixed = sorted(str(path.relative_to(Path(__file__).parent)) for path, kind in kinds.items() if len(kind) > 1)
+    if mixed:
+        raise pytest.UsageError(f"{', '.join(mixed)}: vllm-marked and CPU tests in one module; move the CPU ones to a "
+                                "module of their own (tests/conftest.py says why)")
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
 
 
 def pytest_collection_finish(session):
-    """Without xdist: start the vLLM environment's build when vLLM tests are selected (under xdist the controller
-    does, below, so that one build serves every worker and lives as long as the session)."""
+    """When vLLM tests are selected, start the vLLM environment's build (in each xdist worker that has some: the
+    script's lock makes the second wait for the first, then find it finished)."""
     import vllm_env
 
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        return
     if not vllm_env.skip_requested() and any(item.get_closest_marker("vllm") for item in session.items):
-        vllm_env.start_build()
-
-
-def pytest_xdist_node_collection_finished(node, ids):
-    """The xdist controller: a worker collected vLLM tests (their ids end in their ``@vllm:`` group)."""
-    import vllm_env
-
-    if not vllm_env.skip_requested() and any("@" + VLLM_GROUP in i for i in ids):
         vllm_env.start_build()
 
 

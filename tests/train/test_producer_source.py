@@ -6,7 +6,8 @@ producer (started once for the module, with a second one for one run) and 2 gloo
   and the per-sample logs hold every planned sample exactly once;
 - the producer killed (SIGKILL) mid-run and started again: nothing lost or repeated, and the same losses as the
   uninterrupted run;
-- no producer answering within --producer-timeout, and no master, stop the run with one-line errors;
+- no producer answering within --producer-timeout stops the run with a one-line error (no master, and options
+  without their mode: test_producer_errors.py);
 - a run that starts its own master and producer leaves neither behind.
 
 The vLLM environment (with Mooncake and hs-connectors) is the session's ``vllm_venv`` (tests/conftest.py);
@@ -29,19 +30,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from producer_inputs import ProducerInputs, dead_url, producer_inputs
 from safetensors.torch import load_file
-from train_inputs import make_chats
 
 from serving_helpers import server_port, vllm_processes
-from tiny_speculators.cli import main
 from tiny_speculators.errors import UserError
-from tiny_speculators.serving import free_port
 from tiny_speculators.train.data import plan_epoch, split_train_val
 from tiny_speculators.train.stage import train
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 LAYERS = [2, 15, 27, 30]  # EAGLE-3's aux layers of the 30-layer SmolLM2, and its last layer's output
-N_CHATS, SEED = 16, 3
+SEED = 3
 
 
 @dataclass
@@ -51,24 +50,9 @@ class Engines:
     second: object  # VllmServer, a second producer for ``producer_run`` (stopped by it)
 
 
-@dataclass
-class Inputs:
-    prepared: Path
-    vocab: Path
-
-
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> Inputs:
-    """16 chats prepared for SmolLM2 (token ids only) and a 512-token draft vocabulary."""
-    from tiny_speculators.data.prepare import prepare
-    from tiny_speculators.data.vocab import vocab
-
-    root = tmp_path_factory.mktemp("producer-inputs")
-    chats = root / "chats.jsonl"
-    chats.write_text("".join(json.dumps(c) + "\n" for c in make_chats(N_CHATS)), encoding="utf-8")
-    prepare(verifier="smollm2-135m", data=[chats], out=root / "prepared", max_length=96)
-    vocab(data=root / "prepared", out=root / "vocab", size=512)
-    return Inputs(root / "prepared", root / "vocab")
+def inputs(tmp_path_factory) -> ProducerInputs:
+    return producer_inputs(tmp_path_factory.mktemp("producer-inputs"))
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +88,7 @@ def engines(vllm_python, tmp_path_factory):
                 server.stop()
 
 
-def _cli(inputs: Inputs, out: Path, engines: Engines, *extra: str, urls: list[str] | None = None) -> list[str]:
+def _cli(inputs: ProducerInputs, out: Path, engines: Engines, *extra: str, urls: list[str] | None = None) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "tiny_speculators.cli",
             "train", "--verifier", "smollm2-135m", "--data", str(inputs.prepared), "--online", "--producer", "vllm",
             "--producer-urls", *(urls or [engines.producer.url]), "--mooncake-master", engines.master.address,
@@ -122,7 +106,7 @@ def _deliveries(out: Path) -> list[dict]:
             (out / "logs" / f"samples_rank{rank}.jsonl").read_text().splitlines()]
 
 
-def _planned(inputs: Inputs) -> list[int]:
+def _planned(inputs: ProducerInputs) -> list[int]:
     """The samples one epoch trains on (2 ranks x batch 1 per step), from the trainer's own plan."""
     from tiny_speculators.data.prepared import load_prepared
 
@@ -137,10 +121,6 @@ def _losses(out: Path) -> list[float]:
             if "train/loss" in r]
 
 
-def _dead_url() -> str:
-    return f"http://127.0.0.1:{free_port()}"  # nobody listens there: connections are refused
-
-
 @dataclass
 class Run:
     out: Path
@@ -153,7 +133,7 @@ def producer_run(inputs, engines, tmp_path_factory) -> Run:
     """One epoch (8 steps) on 2 ranks from the module's producer, a second live one (stopped after the run) and a
     dead one."""
     root = tmp_path_factory.mktemp("producer-run")
-    dead, second = _dead_url(), engines.second
+    dead, second = dead_url(), engines.second
     try:
         _run(_cli(inputs, root / "run", engines, urls=[engines.producer.url, second.url, dead]))
     finally:
@@ -261,27 +241,6 @@ def test_a_slow_producers_sample_is_asked_of_another(inputs, engines, tmp_path):
     first = [d for d in got if d["failed"][:1] == [slow]]  # the first request went there, and waited 5 s
     assert len(first) == 1 and "timed out" in first[0]["errors"][0], got
     assert 5 <= first[0]["seconds"] < 15 and time.monotonic() - start < 60
-
-
-def test_no_master_is_a_one_line_error(inputs, tmp_path, capsys):
-    master = f"127.0.0.1:{free_port()}"
-    rc = main(["train", "--verifier", "smollm2-135m", "--data", str(inputs.prepared), "--online", "--producer", "vllm",
-               "--producer-urls", _dead_url(), "--mooncake-master", master, "--vocab", str(inputs.vocab), "--out",
-               str(tmp_path / "o")])
-    assert rc == 1
-    assert capsys.readouterr().err == (f"tiny-speculators train: error: no Mooncake master answers at {master} "
-                                       "(Connection refused): start mooncake_master there, or leave --mooncake-master "
-                                       "unset to have the trainer start one on 127.0.0.1\n")
-
-
-def test_producer_options_need_their_mode(inputs, tmp_path):
-    common = dict(verifier="smollm2-135m", vocab=inputs.vocab, out=tmp_path / "o")
-    with pytest.raises(UserError, match="--producer vllm is a way of online training"):
-        train(**common, hidden_states=tmp_path, producer="vllm")
-    with pytest.raises(UserError, match="--producer-urls / --mooncake-master are for --producer vllm"):
-        train(**common, data=inputs.prepared, online=True, mooncake_master="127.0.0.1:50051")
-    with pytest.raises(UserError, match="--producer-urls needs --mooncake-master"):
-        train(**common, data=inputs.prepared, online=True, producer="vllm", producer_urls=[_dead_url()])
 
 
 @pytest.mark.vllm
