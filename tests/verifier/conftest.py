@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
+from torch import nn
 
 
 def make_prepared(path: Path, verifier: str, vocab_size: int, lengths: list[int], seed: int = 0,
@@ -51,6 +52,23 @@ class _VisionTower:
         return tower
 
 
+class _Wrapper(nn.Module):
+    """A multimodal wrapper's text path, as the real ones run it: decoder, (outer) norm, head at the kept positions."""
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False, logits_to_keep=0):
+        from types import SimpleNamespace
+
+        if hasattr(self, "language_model"):  # "old": a whole causal LM inside
+            return self.language_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache,
+                                       logits_to_keep=logits_to_keep)
+        hidden = self.model.language_model(input_ids=input_ids, attention_mask=attention_mask,
+                                           use_cache=use_cache).last_hidden_state
+        if hasattr(self, "norm"):
+            hidden = self.norm(hidden)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return SimpleNamespace(logits=self.lm_head(hidden[:, keep]))
+
+
 def wrap_model(causal_lm, style: str):
     """Wrap a Llama/Qwen3 causal LM the way multimodal models are laid out.
 
@@ -58,9 +76,7 @@ def wrap_model(causal_lm, style: str):
     - "old": ``model.language_model.model.layers`` (a whole causal LM inside the wrapper)
     - "outer-norm": like "new" but the final norm lives on the wrapper, not next to the layers
     """
-    from torch import nn
-
-    wrapper = nn.Module()
+    wrapper = _Wrapper()
     wrapper.config = causal_lm.config
     if style == "old":
         wrapper.vision_tower = _VisionTower.build()

@@ -55,6 +55,8 @@ def extractions(vllm_venv, tmp_path_factory) -> dict[str, Path]:
     summary = extract(data=prepared, out=root / "vllm", backend="vllm", vllm_venv=vllm_venv,
                       max_tokens_per_batch=32, **COMMON)  # samples longer than 32 tokens: prefilled in chunks
     assert summary["backend"] == "vllm" and summary["complete"] and summary["samples"] == SAMPLES
+    # the guard checked each sample's last state against vLLM's own greedy next token, and all agreed
+    assert summary["guard_positions"] == summary["guard_agreed"] == SAMPLES
     extract(data=prepared, out=root / "hf", **COMMON)
     return {"prepared": prepared, "hf": root / "hf", "vllm": root / "vllm"}
 

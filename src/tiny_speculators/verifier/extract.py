@@ -40,7 +40,8 @@ from tiny_speculators.storage.shards import ShardWriter
 from tiny_speculators.tables import print_summary_table
 from tiny_speculators.verifier.capture import capture_hidden_states, check_layer_ids, default_aux_layer_ids
 from tiny_speculators.verifier.describe import text_config
-from tiny_speculators.verifier.head import load_verifier_head
+from tiny_speculators.verifier.guard import GUARD_POSITIONS, GUARD_TOKENS, Guard, default_agreement
+from tiny_speculators.verifier.head import TargetHead, load_verifier_head
 from tiny_speculators.verifier.load import load_tokenizer, load_verifier, parse_dtype, verifier_id
 from tiny_speculators.verifier.modules import VerifierParts, find_parts
 from tiny_speculators.verifier.vllm_extract import LOG_NAME, VllmHiddenStates, verifier_skeleton, vllm_extract_python
@@ -169,7 +170,18 @@ def _run_shard(model, parts: VerifierParts, records: dict[str, list], aux_ids: l
         for row, i in enumerate(batch):
             n = lengths[i]
             results[i] = make_sample(records, i, aux[row, :n], last[row, :n], layout, store_dtype, head, device)
+    results[0].update(_verifier_choices(model, records["input_ids"][0], device))  # type: ignore[union-attr]
     return results  # type: ignore[return-value]
+
+
+@torch.inference_mode()
+def _verifier_choices(model, ids: list[int], device: str, count: int = 64) -> dict[str, torch.Tensor]:
+    """The guard's reference: the whole verifier's own greedy next token at ``count`` positions spread over one
+    sample (its forward computes logits only there)."""
+    positions = torch.linspace(0, len(ids) - 1, min(count, len(ids))).round().long().unique()
+    logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False,
+                   logits_to_keep=positions.to(device)).logits[0]
+    return {GUARD_POSITIONS: positions, GUARD_TOKENS: logits.float().argmax(-1).cpu()}
 
 
 def _hf_source(model, parts: VerifierParts, aux_ids: list[int], layout: Layout, device: str, max_tokens: int,
@@ -213,14 +225,12 @@ def _settings(verifier: str, model, parts: VerifierParts, aux_ids: list[int], dt
     }
 
 
-def _vllm_source(stack: contextlib.ExitStack, python: Path, source: str, verifier: str, aux_ids: list[int],
+def _vllm_source(stack: contextlib.ExitStack, python: Path, source: str, head: TargetHead, aux_ids: list[int],
                  parts: VerifierParts, store: Layout, dtype: str, device: str, out: Path, rank: int,
                  max_model_len: int, max_tokens: int, enforce_eager: bool, trust_remote_code: bool) -> Source:
-    """Start the vLLM worker (stopped when ``stack`` closes) and return it as a source."""
+    """Start the vLLM worker (stopped when ``stack`` closes) and return it as a source; ``head`` (the verifier's
+    own norm + lm_head, loaded alone) gives the top-k layouts' targets."""
     store_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
-    head = None
-    if store.uses_topk:  # the top-k targets come from the verifier's own norm + lm_head, loaded alone
-        head = load_verifier_head(verifier, parse_dtype(dtype), trust_remote_code).target_head.to(device)
 
     def sample(records: dict[str, list], i: int, aux: torch.Tensor, last: torch.Tensor) -> dict[str, torch.Tensor]:
         return make_sample(records, i, aux, last, store, store_dtype, head, device)
@@ -252,6 +262,7 @@ def extract(
     allow_untested_vllm: bool = False,
     enforce_eager: bool = True,
     trust_remote_code: bool = False,
+    guard_agreement: float | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Store the verifier's aux and last hidden states for every prepared sequence.
@@ -280,6 +291,9 @@ def extract(
         allow_untested_vllm: go on with a vLLM version outside the tested range (backend vllm).
         enforce_eager: backend vllm: no torch.compile / CUDA graphs (a CPU engine is ready in ~30 s, not minutes).
         trust_remote_code: allow the verifier's own modeling code from the hub.
+        guard_agreement: the guard against bad states (:mod:`.guard`): the least fraction of checked positions per
+            shard where the stored last-layer state reproduces the verifier's own next token; default 0.99 in
+            float32, 0.9 in bfloat16; 0 checks only that no aux state is non-finite, all zero or constant.
         progress: show a progress bar with tokens/s.
     """
     if verify is not None:
@@ -323,20 +337,23 @@ def extract(
         _check_records(records, start, data, embed_vocab)
         return records
 
+    head = (load_verifier_head(verifier, parse_dtype(dtype), trust_remote_code).target_head.to(device)
+            if backend == "vllm" else TargetHead(parts.norm, parts.lm_head))
+    guard = Guard(aux_ids, hidden, head, default_agreement(dtype) if guard_agreement is None else guard_agreement)
     with contextlib.ExitStack() as stack:  # holds the vLLM worker, if any
         if backend == "vllm" and mine:
-            run = _vllm_source(stack, vllm_py, source, verifier, aux_ids, parts, store, dtype, device, out, rank_,
+            run = _vllm_source(stack, vllm_py, source, head, aux_ids, parts, store, dtype, device, out, rank_,
                                max(lengths) + 1, max_tokens_per_batch, enforce_eager, trust_remote_code)
         else:
             run = _hf_source(model, parts, aux_ids, store, device, max_tokens_per_batch, store_dtype)
         written, seconds = _write_shards(ShardWriter(out, rank_, store, n_aux), run, shard_records, plan, mine,
-                                         rank_, progress)
+                                         rank_, progress, guard)
     manifest = merge_manifest(out)
     summary = {
         "rank": rank_, "world_size": world, **_measures(written, seconds, started, per_token),
         "shards_written": len(written), "shards_total": len(plan), "complete": manifest is not None,
         "layout": store.name, "dtype": dtype, "device": device, "backend": backend, "aux_layer_ids": aux_ids,
-        "data": str(data),
+        "data": str(data), "guard_positions": guard.checked, "guard_agreed": guard.agreed,
     }
     _write_summary(out, summary, manifest, rank_, world)
     _report(summary, f"extract -> {out}")
@@ -397,14 +414,15 @@ def _shards_of_rank(out: Path, plan: list[dict[str, int]], rank: int, world: int
 
 
 def _write_shards(writer: ShardWriter, run: Source, shard_records: Callable[[int], dict[str, list]],
-                  plan: list[dict[str, int]], mine: list[int], rank: int,
-                  progress: bool) -> tuple[list[dict[str, Any]], float]:
-    """Compute and write this rank's shards in order: what was written, and the seconds it took."""
+                  plan: list[dict[str, int]], mine: list[int], rank: int, progress: bool,
+                  guard: Guard) -> tuple[list[dict[str, Any]], float]:
+    """Compute, check (``guard``) and write this rank's shards in order: what was written, and the seconds it took."""
     bar = tqdm(total=sum(plan[k]["tokens"] for k in mine), unit="tok", unit_scale=True, desc=f"extract rank {rank}",
                disable=None if progress else True)
     compute_started, tokens_done = time.perf_counter(), 0
     try:
         for n_done, (k, samples) in enumerate(zip(mine, run(shard_records(k) for k in mine), strict=True), 1):
+            guard.check_shard(k, plan[k]["start"], samples)
             writer.submit(k, plan[k]["start"], plan[k]["end"], samples)
             bar.update(plan[k]["tokens"])
             tokens_done += plan[k]["tokens"]

@@ -35,6 +35,7 @@ from safetensors.torch import load_file
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.serving import build_vllm_env, clean_env, failure_reason, stop_process_group
+from tiny_speculators.verifier.guard import GUARD_POSITIONS, GUARD_TOKENS
 from tiny_speculators.verifier.load import resolve_verifier
 
 __all__ = ["PLUGINS", "TESTED_VLLM", "VllmHiddenStates", "check_vllm_version", "installed_vllm_version",
@@ -198,18 +199,25 @@ class VllmHiddenStates:
         self._sent += 1
 
     def receive(self) -> dict[str, Any]:
-        """The oldest unanswered batch's answer: ``{"paths": [...], "seconds": s}``."""
+        """The oldest unanswered batch's answer: ``{"paths": [...], "next": [...], "seconds": s}``."""
         return self._answer("extracting")
 
-    def _samples(self, records: dict[str, list], paths: list[str]) -> list[dict[str, torch.Tensor]]:
+    def _samples(self, records: dict[str, list], answer: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
+        """The samples of one shard from the worker's answer; each carries vLLM's greedy next token after its last
+        position, the reference of the extraction guard (:mod:`.guard`)."""
         assert self.make_sample is not None and self.aux_ids is not None
-        n_aux, samples = len(self.aux_ids), []
+        n_aux, samples, paths = len(self.aux_ids), [], answer["paths"]
+        next_tokens = answer.get("next") or [None] * len(paths)
         for i, path in enumerate(paths):
             tensors = load_file(path)
             hidden = tensors["hidden_states"]  # (T, n_aux + 1, H)
             if tensors["token_ids"].tolist() != records["input_ids"][i]:
                 raise RuntimeError(f"vLLM returned the hidden states of other tokens for sample {i} ({path})")
-            samples.append(self.make_sample(records, i, hidden[:, :n_aux].flatten(1), hidden[:, n_aux]))
+            sample = self.make_sample(records, i, hidden[:, :n_aux].flatten(1), hidden[:, n_aux])
+            if next_tokens[i] is not None:
+                sample[GUARD_POSITIONS] = torch.tensor([len(records["input_ids"][i]) - 1])
+                sample[GUARD_TOKENS] = torch.tensor([int(next_tokens[i])])
+            samples.append(sample)
             os.remove(path)
         return samples
 
@@ -220,9 +228,9 @@ class VllmHiddenStates:
             self.send(records["input_ids"])
             waiting.append(records)
             if len(waiting) > 1:
-                yield self._samples(waiting.popleft(), self.receive()["paths"])
+                yield self._samples(waiting.popleft(), self.receive())
         while waiting:
-            yield self._samples(waiting.popleft(), self.receive()["paths"])
+            yield self._samples(waiting.popleft(), self.receive())
 
 
 def verifier_skeleton(verifier: str, trust_remote_code: bool = False):

@@ -8,9 +8,10 @@ id N = the last layer's output before the final norm) land in one safetensors fi
 
 Protocol: one JSON object per line. The worker answers ``{"ready": true}`` once the engine is up, then reads
 ``{"id": ..., "samples": [[token ids], ...]}`` lines from stdin and answers each with
-``{"id": ..., "paths": [file per sample], "seconds": s}`` once every file is complete; EOF ends it. Answers
-go to the original stdout; everything vLLM prints goes to stderr (the caller's log). With ``"layers": null``
-it is plain vLLM prefill (no method, no files), what the benchmark compares against.
+``{"id": ..., "paths": [file per sample], "next": [greedy next token per sample], "seconds": s}`` once every
+file is complete; EOF ends it. Answers go to the original stdout; everything vLLM prints goes to stderr (the
+caller's log). With ``"layers": null`` it is plain vLLM prefill (no method, no files), what the benchmark
+compares against.
 
     python tiny_speculators_extract_worker.py '{"model": "/path/to/verifier", "layers": [2, 15, 27, 30],
         "storage": "/tmp/hs", "dtype": "float32", "max_model_len": 2048}' < requests.jsonl
@@ -76,7 +77,10 @@ def main() -> None:
             paths = [out.kv_transfer_params["hidden_states_path"] for out in outputs]
             for path in paths:
                 wait_complete(path)
-        answers.write(json.dumps({"id": request["id"], "paths": paths,
+        # each prompt's greedy next token: the verifier's own choice, which the caller's guard checks states against
+        next_tokens = [out.outputs[0].token_ids[0] if out.outputs and out.outputs[0].token_ids else None
+                       for out in outputs]
+        answers.write(json.dumps({"id": request["id"], "paths": paths, "next": next_tokens,
                                   "seconds": time.perf_counter() - start}) + "\n")
 
 
