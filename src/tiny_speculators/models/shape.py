@@ -22,7 +22,8 @@ from tiny_speculators.models.layers import check_aux_layer_ids, check_heads, rop
 from tiny_speculators.verifier.describe import config_value as _get
 from tiny_speculators.verifier.describe import text_config
 
-__all__ = ["LAYER_SHAPE", "DraftShape", "decoder_fields", "layer_shape_of", "rope_parameters_of", "verifier_shape"]
+__all__ = ["LAYER_SHAPE", "DraftShape", "decoder_fields", "layer_shape_of", "mlp_width", "rope_parameters_of",
+           "verifier_shape"]
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,9 @@ def rope_parameters_of(cfg: Any) -> dict[str, Any]:
 def verifier_shape(verifier_config: Any, draft_vocab_size: int) -> dict[str, Any]:
     """The :class:`DraftShape` fields a verifier's HF config (object or dict) gives (unchecked, as a dict).
 
-    Attention shape, MLP width, norm eps and RoPE follow the verifier (as vLLM does when it loads a speculators
-    checkpoint whose ``transformer_layer_config`` is the verifier's); three aux states, embeddings frozen.
+    Attention shape, MLP width (:func:`mlp_width`), norm eps and RoPE follow the verifier (as vLLM does when it
+    loads a speculators checkpoint whose ``transformer_layer_config`` is the verifier's); three aux states,
+    embeddings frozen.
     """
     cfg = text_config(verifier_config)  # multimodal wrappers
     hidden = int(_get(cfg, "hidden_size"))
@@ -129,7 +131,7 @@ def verifier_shape(verifier_config: Any, draft_vocab_size: int) -> dict[str, Any
         num_attention_heads=heads,
         num_key_value_heads=int(_get(cfg, "num_key_value_heads") or heads),
         head_dim=int(_get(cfg, "head_dim") or hidden // heads),
-        intermediate_size=int(_get(cfg, "intermediate_size")),
+        intermediate_size=mlp_width(cfg),
         draft_vocab_size=int(draft_vocab_size),
         num_aux=3,
         rms_norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
@@ -139,6 +141,23 @@ def verifier_shape(verifier_config: Any, draft_vocab_size: int) -> dict[str, Any
         train_embeddings=False,
         hidden_act=str(_get(cfg, "hidden_act", "silu")),
     )
+
+
+def mlp_width(cfg: Any) -> int:
+    """The MLP width a draft takes from its verifier's (text) config: the dense ``intermediate_size``, or for a
+    mixture-of-experts verifier the width active per token, experts per token x one expert's width plus the shared
+    experts' (a draft MLP of one expert's width would be much weaker than what the verifier runs per token).
+
+    Qwen3-30B-A3B: 8 x 768 = 6144; gpt-oss-20b: 4 x 2880 = 11520; DeepSeek-V3 / Kimi-K2: 8 x 2048 + 1 x 2048.
+    """
+    dense = int(_get(cfg, "intermediate_size"))
+    per_token = _get(cfg, "num_experts_per_tok")
+    experts = _get(cfg, "num_experts") or _get(cfg, "n_routed_experts") or _get(cfg, "num_local_experts")
+    if not per_token or not experts or int(experts) <= 1:
+        return dense
+    expert = int(_get(cfg, "moe_intermediate_size") or dense)  # Mixtral and gpt-oss: intermediate_size is per expert
+    shared = int(_get(cfg, "n_shared_experts") or 0) * expert + int(_get(cfg, "shared_expert_intermediate_size") or 0)
+    return int(per_token) * expert + shared
 
 
 def decoder_fields(kwargs: Mapping[str, Any]) -> dict[str, Any]:

@@ -56,6 +56,8 @@ class Eagle3Options:
         init: random, or verifier: the decoder layers start as the verifier's layers ``init_layer``,
             ``init_layer + 1``, ... (an early exit of the verifier; ``verifier_init.py``), read from its safetensors.
         init_layer: the first verifier layer ``init: verifier`` copies (default: the last aux layer).
+        intermediate_size: MLP width of the draft's layers; default: the verifier's, for a mixture-of-experts
+            verifier the width it runs per token (experts per token x expert width + shared experts).
     """
 
     ttt_steps: int = 3
@@ -66,10 +68,13 @@ class Eagle3Options:
     num_layers: int = 1
     init: Literal["random", "verifier"] = "random"
     init_layer: int | None = None
+    intermediate_size: int | None = None
 
     def __post_init__(self) -> None:
         check_ranges(("ttt_steps", self.ttt_steps, AT_LEAST_1), ("decay", self.decay, FRACTION),
                      ("num_layers", self.num_layers, AT_LEAST_1))
+        if self.intermediate_size is not None:
+            check_ranges(("intermediate_size", self.intermediate_size, AT_LEAST_1))
 
 
 def draft_kwargs_from_verifier(verifier_config: Any, draft_vocab_size: int, **overrides: Any) -> dict[str, Any]:
@@ -108,7 +113,8 @@ def build(inputs: BuildInputs, options: Eagle3Options) -> Eagle3Draft:
         inputs.verifier_config, int(inputs.d2t.shape[0]), num_aux=len(inputs.aux_layer_ids),
         aux_layer_ids=list(inputs.aux_layer_ids), layer_type=resolve_layer_type(options.layer_type,
                                                                                 inputs.verifier_config),
-        fc_norm=options.fc_norm, norm_before_residual=options.norm_before_residual, num_layers=options.num_layers)
+        fc_norm=options.fc_norm, norm_before_residual=options.norm_before_residual, num_layers=options.num_layers,
+        **({} if options.intermediate_size is None else {"intermediate_size": options.intermediate_size}))
     draft = build_draft(kwargs, inputs.d2t, inputs.t2d, embed_weight=inputs.embed_weight,
                         lm_head_weight=inputs.lm_head_weight)
     if options.init == "verifier":
