@@ -15,43 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from extract_checks import ATOL, assert_close, check_exact, reference
 
 from tiny_speculators.errors import UserError
 from tiny_speculators.storage.reader import HiddenStateReader
 from tiny_speculators.verifier.extract import extract, plan_shards, token_batches
 from tiny_speculators.verifier.load import load_verifier
-from tiny_speculators.verifier.modules import find_parts
 
-ATOL = 1e-5
 SMALL = dict(shard_mb=0.05, max_tokens_per_batch=40, progress=False)  # ~50 tokens per shard, 1-2 samples per batch
-
-
-def _reference(model, ids: torch.Tensor, layer_ids: list[int]):
-    with torch.inference_mode():
-        out = model(ids[None], output_hidden_states=True)
-    return torch.cat([out.hidden_states[i][0] for i in layer_ids], -1), out.logits[0]
-
-
-def _assert_close(got: torch.Tensor, ref: torch.Tensor) -> None:
-    """fp32 equality up to rounding: |got - ref| <= 1e-5 x the tensor's largest magnitude (at least 1)."""
-    assert got.shape == ref.shape and got.dtype == ref.dtype
-    torch.testing.assert_close(got, ref, atol=ATOL * max(1.0, ref.abs().max().item()), rtol=0)
-
-
-def _check_exact(reader: HiddenStateReader, model, prepared: Path, layer_ids: list[int]):
-    import datasets
-
-    ds = datasets.load_from_disk(str(prepared / "dataset"))
-    parts = find_parts(model)
-    assert len(reader) == len(ds)
-    for i in range(len(ds)):
-        got = reader[i]
-        assert got["input_ids"].tolist() == ds[i]["input_ids"] and got["loss_mask"].tolist() == ds[i]["loss_mask"]
-        ref_aux, ref_logits = _reference(model, got["input_ids"], layer_ids)
-        _assert_close(got["aux_hidden_states"], ref_aux)
-        with torch.inference_mode():
-            logits = parts.lm_head(parts.norm(got["last_hidden_state"]))
-        _assert_close(logits, ref_logits)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -69,7 +40,7 @@ def test_extract_is_exact_with_padding_and_batching(request, tmp_path, tiny_voca
     assert m["vocab_size"] == tiny_vocab and m["dtype"] == "float32" and m["verifier_id"] == str(verifier)
     assert all(len(s["sha256"]) == 64 for s in m["shards"])
     model = load_verifier(verifier, with_tokenizer=False)[0]
-    _check_exact(reader, model, prepared, [2, 4, 5])
+    check_exact(reader, model, prepared, [2, 4, 5])
     if arch == "qwen3":
         return
     # one big batch per shard stores the same values as small padded batches
@@ -78,7 +49,7 @@ def test_extract_is_exact_with_padding_and_batching(request, tmp_path, tiny_voca
     big = HiddenStateReader(tmp_path / "one-batch")
     for i in range(len(reader)):
         for key in ("aux_hidden_states", "last_hidden_state"):
-            _assert_close(big[i][key], reader[i][key])
+            assert_close(big[i][key], reader[i][key])
 
 
 def test_compact_layouts(tmp_path, tiny_llama_dir, prepared_llama):
@@ -91,7 +62,7 @@ def test_compact_layouts(tmp_path, tiny_llama_dir, prepared_llama):
     assert reader.manifest["layout"] == "fp8-topk" and reader.manifest["topk"] == 8
     for i in range(0, len(reader), 3):
         got = reader[i]
-        ref_aux, ref_logits = _reference(model, got["input_ids"], [1, 6])
+        ref_aux, ref_logits = reference(model, got["input_ids"], [1, 6])
         scale = ref_aux.reshape(len(ref_aux), 2, 64).abs().amax(-1).repeat_interleave(64, -1)
         assert bool(((got["aux_hidden_states"] - ref_aux).abs() <= scale * 2**-4 + 1e-6).all())
         values, ids = ref_logits.topk(8, dim=-1)
@@ -111,7 +82,7 @@ def test_wrapped_verifier_extracts_exactly(tmp_path, tiny_llama_dir, prepared_ll
     extract(data=prepared_llama, out=tmp_path / "out", **SMALL)
     reader = HiddenStateReader(tmp_path / "out")
     assert reader.manifest["layer_paths"]["layers"] in ("model.language_model.layers", "language_model.model.layers")
-    _check_exact(reader, load_verifier(tiny_llama_dir, with_tokenizer=False)[0], prepared_llama, [2, 4, 5])
+    check_exact(reader, load_verifier(tiny_llama_dir, with_tokenizer=False)[0], prepared_llama, [2, 4, 5])
 
 
 @pytest.mark.slow
@@ -122,7 +93,7 @@ def test_embedded_verifier_is_exact(tmp_path, smollm2_dir, prepared_factory):
     reader = HiddenStateReader(tmp_path / "out")
     assert reader.manifest["aux_layer_ids"] == [2, 15, 27]
     assert reader.manifest["verifier_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    _check_exact(reader, load_verifier("smollm2-135m", with_tokenizer=False)[0], prepared, [2, 15, 27])
+    check_exact(reader, load_verifier("smollm2-135m", with_tokenizer=False)[0], prepared, [2, 15, 27])
 
 
 def test_bad_input_gives_clear_errors(tmp_path, tiny_llama_dir, tiny_vocab, prepared_llama, prepared_factory):

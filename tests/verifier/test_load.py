@@ -52,3 +52,25 @@ def test_missing_local_verifier_is_a_user_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no config.json"):
         resolve_verifier(tmp_path / "empty")
+
+
+def _copy_with_config(src, dst, **changes):
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(changes)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_quantized_and_unknown_verifiers_fail_in_one_line(tmp_path, tiny_llama_dir):
+    quantized = _copy_with_config(tiny_llama_dir, tmp_path / "w8a8", quantization_config={
+        "quant_method": "compressed-tensors", "format": "int-quantized"})
+    with pytest.raises(UserError, match=r"^verifier '.*w8a8' is a compressed-tensors checkpoint, .*--backend vllm"):
+        load_verifier(quantized, with_tokenizer=False)
+    unknown = _copy_with_config(tiny_llama_dir, tmp_path / "unknown", model_type="no-such-model",
+                                architectures=["NoSuchModelForCausalLM"])
+    with pytest.raises(UserError, match=r"^could not load verifier '.*unknown': .*no-such-model") as e:
+        load_verifier(unknown, with_tokenizer=False)
+    assert "\n" not in str(e.value)

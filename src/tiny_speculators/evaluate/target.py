@@ -77,6 +77,10 @@ class TargetRunner:
 
     def reset(self) -> None:
         self.cache = self._dynamic_cache(config=self.model.config)
+        # sliding-window layers (Gemma 3, gpt-oss, Mistral) keep what a rejection may roll back until the next crop
+        activate = getattr(self.cache, "activate_past_recording", None)
+        if activate is not None:
+            activate()
 
     @property
     def length(self) -> int:
@@ -115,12 +119,12 @@ class TargetRunner:
         return (logits[-1:] if last_logits_only else logits), aux
 
     def crop(self, length: int) -> None:
-        """Keep the first ``length`` cached positions."""
-        if length < self.length:
-            if "tokens_to_remove" in inspect.signature(self.cache.crop).parameters:  # transformers >= 5.x
+        """Keep the first ``length`` cached positions (sliding-window layers: the last window of them)."""
+        if "tokens_to_remove" in inspect.signature(self.cache.crop).parameters:  # transformers >= 5.x
+            if length <= self.length:  # 0 too: sliding layers drop what the next step no longer needs
                 self.cache.crop(length - self.length)
-            else:
-                self.cache.crop(length)
+        elif length < self.length:
+            self.cache.crop(length)
 
     def keep(self, indices: torch.Tensor) -> None:
         """Keep only the cached entries at ``indices`` (ascending), in that order, in every layer."""

@@ -79,7 +79,8 @@ class Rotary(nn.Module):
             cfg.hidden_size, cfg.num_attention_heads = head_dim, 1  # some init functions derive head_dim
             cfg.max_position_embeddings = max_position_embeddings
             cfg.partial_rotary_factor = 1.0
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+            with torch.device("cpu"):  # also inside a meta-device build (a load): yarn reads tensor values
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
         else:
             raise UserError(f"rope_type {rope_type!r} is not supported by the draft "
                             "(supported: default, linear, llama3, yarn)")

@@ -67,18 +67,42 @@ def load_tokenizer(name: str | Path, trust_remote_code: bool = False):
         raise UserError(f"could not load the tokenizer of verifier {name!r}: {e}") from None
 
 
+def check_not_quantized(name: str | Path, config) -> None:
+    """A one-line :class:`UserError` for a quantized checkpoint (``quantization_config`` in its config)."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        text = getattr(config, "get_text_config", lambda: None)()
+        quantization = getattr(text, "quantization_config", None)
+    if not quantization:
+        return
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", None)) or "quantized"
+    raise UserError(f"verifier {str(name)!r} is a {method} checkpoint, which this stage cannot run exactly in "
+                    "transformers: extract its hidden states with --backend vllm, and measure drafts through vLLM "
+                    "(benchmark)")
+
+
 def load_verifier(name: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                   trust_remote_code: bool = False, with_tokenizer: bool = True):
-    """Load the frozen verifier in eval mode with gradients off; returns ``(model, tokenizer)``."""
-    from transformers import AutoModelForCausalLM
+    """Load the frozen verifier in eval mode with gradients off; returns ``(model, tokenizer)``.
+
+    A quantized checkpoint is refused in one line: these stages compute with the full-precision weights, which
+    ``transformers`` would only approximate; its hidden states come from vLLM (``extract --backend vllm``).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     source = resolve_verifier(name)
     try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+        check_not_quantized(name, config)
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=parse_dtype(dtype), trust_remote_code=trust_remote_code
         )
     except OSError as e:
         raise UserError(f"could not load verifier {name!r}: {e}") from None
+    except (ValueError, KeyError) as e:  # e.g. an architecture this transformers does not know
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"could not load verifier {str(name)!r}: {reason}") from None
     model.to(device).eval().requires_grad_(False)
     tokenizer = load_tokenizer(name, trust_remote_code) if with_tokenizer else None
     return model, tokenizer
