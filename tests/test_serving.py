@@ -34,6 +34,27 @@ def test_failure_reason_of_a_rejected_draft():
                       "starting at: line 1 column 981 (char 980)")
 
 
+def test_failure_reason_finds_a_workers_root_cause():
+    """vLLM 0.32's own words when a worker fails to start (an architecture it cannot extract from, a checkpoint
+    it cannot load, a multimodal class it cannot inspect): the cause, not the generic line that ends the log."""
+    worker = ("(Worker pid=15678) ERROR 12-03 19:01:58 [multiproc_executor.py:953]     raise RuntimeError(\n"
+              "(Worker pid=15678) ERROR 12-03 19:01:58 [multiproc_executor.py:953] RuntimeError: Model does not "
+              "support EAGLE3 interface but aux_hidden_state_outputs was requested\n"
+              "(EngineCore pid=15666) ERROR 12-03 19:02:00 [core.py:1510] Exception: WorkerProc initialization failed "
+              "due to an exception in a background process. See stack trace for root cause.\n"
+              "Exception: WorkerProc initialization failed due to an exception in a background process. See stack "
+              "trace for root cause.\n"
+              "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert failure_reason(worker) == ("RuntimeError: Model does not support EAGLE3 interface but "
+                                      "aux_hidden_state_outputs was requested")
+    inspect = ("(MainProcess pid=1) ERROR 12-03 19:02:43 [registry.py:1120] subprocess.CalledProcessError: Command "
+               "'['python', '-m', 'vllm.model_executor.models.registry']' returned non-zero exit status 1.\n"
+               "(MainProcess pid=1) ERROR 12-03 19:02:43 [registry.py:1120] RuntimeError: Error raised in subprocess:\n"
+               "(MainProcess pid=1) ERROR 12-03 19:02:43 [registry.py:1120] ModuleNotFoundError: No module named "
+               "'torchvision'\n")
+    assert failure_reason(inspect) == "ModuleNotFoundError: No module named 'torchvision'"
+
+
 def test_failure_reason_prefers_the_root_cause():
     log = "\n".join([
         "(EngineCore_DP0 pid=12) ERROR 11-30 [core.py:1] EngineCore failed to start.",

@@ -46,10 +46,13 @@ MOONCAKE_MARKER_GLOB = ".tiny-speculators-mooncake-*"  # Mooncake + hs-connector
 VLLM_ENV_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "vllm_env.sh"  # in a source checkout
 # dropped from the server's environment: they point at the project venv, whose packages must not leak in
 LEAKY_ENV = ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")
-# the root cause in a vLLM log: "ValueError: ...", "OSError: [Errno 98] ...", "(EngineCore pid=1) RuntimeError: ..."
-_ERROR_LINE = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(?P<msg>(?:[\w.]+\.)?\w*(?:Error|Exception)\b:\s*\S.*)$")
+# the root cause in a vLLM log: "ValueError: ...", "OSError: [Errno 98] ...", "(EngineCore pid=1) RuntimeError: ...",
+# and as vLLM's logger prints a worker's: "(Worker pid=7) ERROR 12-03 19:01:58 [multiproc_executor.py:953] X: ..."
+_ERROR_LINE = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(?:ERROR \d\d-\d\d [\d:]+ \[[^\]]+\]\s*)?"
+                         r"(?P<msg>(?:[\w.]+\.)?\w*(?:Error|Exception)\b:\s*\S.*)$")
 _GENERIC_ERRORS = ("Engine core initialization failed", "Engine process failed to start",
-                   "Failed core proc", "See root cause above")
+                   "Failed core proc", "See root cause above", "See stack trace for root cause",
+                   "CalledProcessError: Command", "Error raised in subprocess")
 
 
 def default_vllm_venv() -> Path:
