@@ -53,7 +53,8 @@ def config_of(name: str, tokenizer):
         return DeepseekV3Config(**{**text, "num_key_value_heads": 2}, intermediate_size=128, moe_intermediate_size=32,
                                 n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
                                 topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, q_lora_rank=32,
-                                kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32)
+                                kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+                                topk_method="noaux_tc", scoring_func="sigmoid")  # DeepSeek-V3's routing
     if name == "gemma3_vl":
         vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
                                     image_size=28, patch_size=14)

@@ -175,3 +175,29 @@ def test_vllm_counts_what_we_count_for_a_two_layer_draft(vllm_worker, tmp_path, 
     assert (drafts, accepted, per_pos) == (ours["drafts"], ours["accepted"], ours["per_position"]), ours
     assert ours["accepted"] >= 20, "the early exit should accept: the comparison would mean nothing"
 
+
+
+def test_vllm_counts_what_we_count_for_a_moe_verifiers_draft(vllm_worker, tmp_path, smollm2_tokenizer):
+    """A Qwen3-MoE verifier (8 experts, top-2, as Qwen3-30B-A3B): an EAGLE-3 draft trained on it, its MLP as wide as
+    the verifier's two active experts, decodes losslessly in vLLM with exactly our evaluator's counters."""
+    from tiny_architectures import make_tiny_architecture
+    from tiny_speculators.export import export, import_draft
+    from tiny_speculators.models.eagle3.proposer import Eagle3Proposer
+
+    moe = make_tiny_architecture(tmp_path / "qwen3-moe", "qwen3_moe", smollm2_tokenizer)
+    aux = [2, 4, 5]
+    ckpt = train_draft(moe, tmp_path / "ckpt", steps=30, lr=5e-3, new_tokens=24, verifier_name=str(moe),
+                       aux_layer_ids=aux)
+    export(ckpt, out=tmp_path / "export", verifier_name=str(moe), speculative_tokens=K)
+    imported, _ = import_draft(tmp_path / "export")
+    assert imported.kwargs["intermediate_size"] == 2 * 32  # top-2 x the experts' width, not one expert's
+    ours = our_acceptance(Eagle3Proposer(imported.eval()), aux, moe, smollm2_tokenizer, K, 32)
+    (tmp_path / "prompts.json").write_text(json.dumps(ours["prompts"]))
+    vllm_worker.run("generate", str(tmp_path / "export"), str(tmp_path / "spec.json"), "--prompts",
+                    str(tmp_path / "prompts.json"), "--max-tokens", "32", "--max-model-len", "512")
+    spec = json.loads((tmp_path / "spec.json").read_text())
+    assert spec["architectures"]["target"] == ["Qwen3MoeForCausalLM"]
+    assert spec["tokens"] == ours["hf_tokens"] == ours["spec_tokens"]
+    drafts, accepted, per_pos = counters(spec)
+    assert (drafts, accepted, per_pos) == (ours["drafts"], ours["accepted"], ours["per_position"]), ours
+    assert ours["accepted"] >= 10, "the test draft did not train: the comparison would mean nothing"
