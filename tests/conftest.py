@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny_architectures import save_peaked
+
 TINY_LAYERS = 8
 
 
@@ -110,13 +112,7 @@ def make_tiny_verifier(path: Path, arch: str, tokenizer, seed: int = 0, num_laye
     )
     config = LlamaConfig(**common) if arch == "llama" else Qwen3Config(**common)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # larger-than-default init so that tiny models have peaked distributions
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_peaked(AutoModelForCausalLM.from_config(config, dtype=torch.float32), tokenizer, path)
     return path
 
 
@@ -144,13 +140,7 @@ def make_tiny_mimo(path: Path, tokenizer, seed: int = 2, num_layers: int = TINY_
         tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_peaked(AutoModelForCausalLM.from_config(config, dtype=torch.float32), tokenizer, path)
     g = torch.Generator().manual_seed(seed + 100)
     h, i, kv = 64, 128, 32
     shapes = {"token_layernorm.weight": (h,), "hidden_layernorm.weight": (h,), "input_proj.weight": (h, 2 * h),
@@ -194,13 +184,7 @@ def make_tiny_deepseek(path: Path, tokenizer, seed: int = 3, num_layers: int = 2
         v_head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_peaked(AutoModelForCausalLM.from_config(config, dtype=torch.float32), tokenizer, path)
     state = load_file(str(path / "model.safetensors"))
     g = torch.Generator().manual_seed(seed + 100)
     n, h = num_layers, 64

@@ -67,7 +67,7 @@ def config_of(name: str, tokenizer):
 
 
 def make_tiny_architecture(path: Path, name: str, tokenizer, seed: int = 7) -> Path:
-    """Save tiny random ``name`` with ``tokenizer`` into ``path`` (weights drawn N(0, 0.08): peaked outputs)."""
+    """Save tiny random ``name`` with ``tokenizer`` into ``path`` (:func:`save_peaked`)."""
     from transformers import AutoModelForCausalLM, Gemma3ForConditionalGeneration
 
     torch.manual_seed(seed)
@@ -76,6 +76,12 @@ def make_tiny_architecture(path: Path, name: str, tokenizer, seed: int = 7) -> P
         model = Gemma3ForConditionalGeneration(config).to(torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return save_peaked(model, tokenizer, path)
+
+
+def save_peaked(model, tokenizer, path: Path) -> Path:
+    """Redraw every matrix of a fresh tiny ``model`` N(0, 0.08), larger than the default init so that tiny models
+    have peaked distributions, and save it with ``tokenizer`` into ``path``."""
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
