@@ -11,15 +11,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from random import Random
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def main(names: list[str], dtype: str = "float32") -> None:
-    import datasets
     from transformers import AutoTokenizer
 
+    from prepared_data import make_prepared
     from tiny_architectures import ARCHITECTURES, make_tiny_architecture
     from tiny_speculators.errors import UserError
     from tiny_speculators.storage.reader import HiddenStateReader
@@ -30,12 +29,8 @@ def main(names: list[str], dtype: str = "float32") -> None:
     root = Path(tempfile.mkdtemp(prefix="probe-arch-"))
     for name in names or ARCHITECTURES:
         path = make_tiny_architecture(root / name, name, tokenizer)
-        rng = Random(0)
-        rows = [{"input_ids": [rng.randrange(len(tokenizer) - 3) for _ in range(n)], "loss_mask": [1] * n}
-                for n in (5, 30, 17)]
-        prepared = root / f"{name}-prepared"
-        datasets.Dataset.from_list(rows).save_to_disk(str(prepared / "dataset"))
-        (prepared / "summary.json").write_text(json.dumps({"verifier": str(path), "vocab_size": len(tokenizer)}))
+        vocab = len(tokenizer)  # ids below the multimodal wrapper's image/boi/eoi ids (the last three)
+        prepared = make_prepared(root / f"{name}-prepared", str(path), vocab - 3, [5, 30, 17], summary_vocab=vocab)
         result: dict = {"arch": name, "dtype": dtype}
         extract(data=prepared, out=root / f"{name}-hf", dtype=dtype, device="cpu", progress=False)
         start = time.perf_counter()

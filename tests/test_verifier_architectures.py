@@ -10,6 +10,7 @@ import json
 import pytest
 
 from extract_checks import check_exact
+from prepared_data import make_prepared
 from tiny_architectures import ARCHITECTURES, make_tiny_architecture
 from tiny_speculators.data.prepare import prepare
 from tiny_speculators.data.vocab import vocab
@@ -31,19 +32,9 @@ def verifier(request, tmp_path_factory, smollm2_tokenizer):
 
 
 def test_hf_extraction_reproduces_the_verifier(verifier, tmp_path, smollm2_tokenizer):
-    from random import Random
-
-    import datasets
-
     _, path = verifier
-    rng = Random(0)
-    rows = []
-    for n in (3, 17, 30, 8, 25, 1):  # ids below the multimodal wrapper's image/boi/eoi ids (the last three)
-        rows.append({"input_ids": [rng.randrange(len(smollm2_tokenizer) - 3) for _ in range(n)],
-                     "loss_mask": [rng.randrange(2) for _ in range(n)]})
-    prepared = tmp_path / "prepared"
-    datasets.Dataset.from_list(rows).save_to_disk(str(prepared / "dataset"))
-    (prepared / "summary.json").write_text(json.dumps({"verifier": str(path), "vocab_size": len(smollm2_tokenizer)}))
+    vocab = len(smollm2_tokenizer)  # ids below the multimodal wrapper's image/boi/eoi ids (the last three)
+    prepared = make_prepared(tmp_path / "prepared", str(path), vocab - 3, [3, 17, 30, 8, 25, 1], summary_vocab=vocab)
     summary = extract(data=prepared, out=tmp_path / "out", dtype="float32", device="cpu", **SMALL)
     assert summary["complete"] and summary["shards_total"] >= 2
     assert summary["guard_positions"] > 0 and summary["guard_agreed"] == summary["guard_positions"]

@@ -4,12 +4,10 @@ vLLM's own next token. A module of its own so that it can run beside the embedde
 
 from __future__ import annotations
 
-import json
-from random import Random
-
 import pytest
 import torch
 
+from prepared_data import make_prepared
 from tiny_architectures import make_tiny_architecture
 from tiny_speculators.storage.reader import HiddenStateReader
 from tiny_speculators.verifier.extract import extract
@@ -21,16 +19,8 @@ LENGTHS = (5, 30, 17)
 
 
 def test_vllm_states_of_a_moe_verifier_equal_hf(vllm_venv, tmp_path, smollm2_tokenizer):
-    import datasets
-
     verifier = make_tiny_architecture(tmp_path / "qwen3-moe", "qwen3_moe", smollm2_tokenizer)
-    rng = Random(0)
-    rows = [{"input_ids": [rng.randrange(len(smollm2_tokenizer)) for _ in range(n)], "loss_mask": [1] * n}
-            for n in LENGTHS]
-    prepared = tmp_path / "prepared"
-    datasets.Dataset.from_list(rows).save_to_disk(str(prepared / "dataset"))
-    (prepared / "summary.json").write_text(json.dumps({"verifier": str(verifier),
-                                                       "vocab_size": len(smollm2_tokenizer)}))
+    prepared = make_prepared(tmp_path / "prepared", str(verifier), len(smollm2_tokenizer), list(LENGTHS))
     common = dict(data=prepared, dtype="float32", device="cpu", progress=False)
     summary = extract(out=tmp_path / "vllm", backend="vllm", vllm_venv=vllm_venv, **common)
     assert summary["complete"] and summary["guard_positions"] == summary["guard_agreed"] == len(LENGTHS)

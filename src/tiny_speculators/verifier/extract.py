@@ -158,7 +158,7 @@ def _run_shard(model, parts: VerifierParts, records: dict[str, list], aux_ids: l
     """Forward the shard's samples in token-budget batches; per sample (in order) its stored tensors."""
     lengths = [len(x) for x in records["input_ids"]]
     results: list[dict[str, torch.Tensor] | None] = [None] * len(lengths)
-    head = lambda x: parts.lm_head(parts.norm(x))  # noqa: E731
+    head = TargetHead(parts.norm, parts.lm_head)
     for batch in token_batches(lengths, max_tokens):
         width = lengths[batch[0]]
         ids = torch.zeros(len(batch), width, dtype=torch.long)
