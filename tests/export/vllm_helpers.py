@@ -103,14 +103,14 @@ class VllmWorker:
             pytest.fail(f"vLLM failed running {' '.join(args[:2])}: {answer['error']}\nlog {self.log_path}:\n{tail}")
 
     def plain(self, model: Path, out: Path, prompts: list[list[int]], max_tokens: int,
-              max_model_len: int = 1024) -> dict:
+              max_model_len: int = 1024, dtype: str = "float32") -> dict:
         """vLLM's greedy generation without a draft (``--no-spec``), computed once per session for each input."""
-        key = (str(model), json.dumps(prompts), max_tokens, max_model_len)
+        key = (str(model), json.dumps(prompts), max_tokens, max_model_len, dtype)
         if key not in self._plain:
             prompts_file = out.with_suffix(".prompts.json")
             prompts_file.write_text(json.dumps(prompts))
             self.run("generate", str(model), str(out), "--prompts", str(prompts_file), "--max-tokens", str(max_tokens),
-                     "--max-model-len", str(max_model_len), "--no-spec")
+                     "--max-model-len", str(max_model_len), "--dtype", dtype, "--no-spec")
             self._plain[key] = out
         return json.loads(self._plain[key].read_text())
 

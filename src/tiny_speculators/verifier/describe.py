@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.verifier.dequantize import COMPANIONS, PACKED, dequantize
 from tiny_speculators.verifier.load import load_verifier, resolve_verifier, verifier_id
 
 log = logging.getLogger(__name__)
@@ -72,37 +74,56 @@ def verifier_record(name: str, config: Any) -> dict[str, Any]:
 
 
 def safetensor_index(folder: Path) -> dict[str, Path]:
-    """Tensor name -> file of a local checkpoint folder (sharded index or one model.safetensors); {} if none."""
+    """Tensor name -> file of a local checkpoint folder (sharded index or one model.safetensors); {} if none.
+
+    A packed quantized weight (``X.weight_packed``) is listed as ``X.weight`` too: :func:`read_tensors` reads it
+    dequantized."""
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
+    single = folder / "model.safetensors"
     if index.is_file():
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        return {k: folder / v for k, v in weight_map.items()}
-    single = folder / "model.safetensors"
-    if single.is_file():
+        files = {k: folder / v for k, v in weight_map.items()}
+    elif single.is_file():
         with safe_open(str(single), "pt") as f:
-            return dict.fromkeys(f.keys(), single)
-    return {}
+            files = dict.fromkeys(f.keys(), single)
+    else:
+        return {}
+    suffix = "." + PACKED
+    return files | {k.removesuffix(PACKED) + "weight": v for k, v in files.items() if k.endswith(suffix)}
 
 
 def read_tensors(index: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
-    """The tensors ``names`` of a checkpoint, ``index`` from :func:`safetensor_index` (each file opened once)."""
-    out: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name in names:
-        by_file.setdefault(index[name], []).append(name)
-    for path, keys in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
-            for key in keys:
-                out[key] = f.get_tensor(key)
-    return out
+    """The tensors ``names`` of a checkpoint, ``index`` from :func:`safetensor_index` (each file opened once);
+    a quantized weight comes back dequantized in fp32 (:mod:`~tiny_speculators.verifier.dequantize`), the scales
+    and packed parts beside it are read for that and not returned."""
+    with ExitStack() as stack:
+        handles: dict[Path, tuple[Any, set[str]]] = {}
+
+        def get(name: str) -> torch.Tensor | None:
+            path = index.get(name)
+            if path is None:
+                return None
+            if path not in handles:
+                handle = stack.enter_context(safe_open(str(path), framework="pt"))
+                handles[path] = handle, set(handle.keys())
+            handle, keys = handles[path]
+            return handle.get_tensor(name) if name in keys else None
+
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            weight = dequantize(name, get) if name.endswith("weight") else None
+            out[name] = weight if weight is not None else get(name)
+            if out[name] is None:
+                raise KeyError(name)
+        return out
 
 
 def read_prefixed(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
     """Every tensor of a local checkpoint whose name starts with ``prefix`` (e.g. ``model.layers.61.``), keyed
-    without it."""
+    without it; quantized weights dequantized, without their scales and packed parts."""
     keys = safetensor_index(folder)
-    state = read_tensors(keys, [k for k in keys if k.startswith(prefix)])
+    state = read_tensors(keys, [k for k in keys if k.startswith(prefix) and not k.endswith(COMPANIONS)])
     return {k.removeprefix(prefix): v for k, v in state.items()}
 
 

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
-from tiny_speculators.verifier.describe import safetensor_index
+from tiny_speculators.verifier.describe import read_tensors, safetensor_index
 from tiny_speculators.verifier.load import load_verifier, resolve_verifier
 from tiny_speculators.verifier.modules import find_parts
 
@@ -76,8 +75,7 @@ def _load_partial(folder: Path, config, dtype: torch.dtype) -> VerifierHead | No
             if hit is None:
                 log.info("verifier tensor for %s (%s) not found by name; loading the full verifier", key, fulls)
                 return None
-            with safe_open(files[hit], "pt") as f:
-                tensors[local] = f.get_tensor(hit).to(dtype)
+            tensors[local] = read_tensors(files, [hit])[hit].to(dtype)
         module.to_empty(device="cpu")
         module.load_state_dict(tensors, strict=False)
         for name, buf in module.named_buffers():  # non-persistent buffers (rare in norms): recompute is not possible
