@@ -61,7 +61,8 @@ def test_config_plans_and_each_option_reaches_its_stage(path):
             assert stage.kwargs[key] == _as_planned(name, key, value, func), f"{path.name} [{name}] {key}"
 
 
-# (edit of configs/smollm2-135m-dflash.yaml, how the error the user reads after "tiny-speculators pipeline: error: "
+# (edit of configs/smollm2-135m-dflash.yaml (None: the section removed), how the error the user reads after
+# "tiny-speculators pipeline: error: "
 # starts; the command hands the file's sections to the pipeline, which calls them "pipeline options")
 BROKEN = [
     ({"train": {"max_step": 5}}, "pipeline options [train]: unknown option(s) max_step for 'train' (known: verifier, "),
@@ -74,16 +75,21 @@ BROKEN = [
     ({"train": {"dflash": {"block_sizes": 4}}}, "pipeline options [train]: option 'dflash': unknown option(s) "
                                                 "block_sizes (known: block_size, "),
     ({"vocabulary": {"size": 10}}, "{path}: unknown option(s) vocabulary for 'pipeline' (known: config, "),
+    ({"evaluate": None}, "pipeline options: needs an 'evaluate' section (it may be empty: evaluate: {{}}), or a "
+                         "'benchmark' "),
 ]
 
 
 @pytest.mark.parametrize(("edit", "message"), BROKEN, ids=["key", "type", "float", "choice", "family-type",
-                                                           "family-key", "section"])
+                                                           "family-key", "section", "no-measure"])
 def test_a_wrong_key_or_value_is_the_one_line_error_the_user_sees(tmp_path, capsys, edit, message):
     config = yaml.safe_load((ROOT / "configs" / "smollm2-135m-dflash.yaml").read_text(encoding="utf-8"))
     config["run_dir"] = str(tmp_path / "run")
     config["regenerate"]["data"] = [str(tmp_path / "missing.jsonl")]  # were the error missed: fail fast, not run
     for section, options in edit.items():
+        if options is None:  # the section removed
+            del config[section]
+            continue
         target = config.setdefault(section, {})
         for key, value in options.items():
             if isinstance(value, dict):

@@ -225,7 +225,8 @@ def plan_pipeline(raw: dict[str, Any], source: str = "pipeline config") -> Pipel
         add("train", {"verifier": verifier, "vocab": run_dir / "vocab", "hidden_states": run_dir / "extract"},
             ["vocab", "extract"], [])
     add("export", {"checkpoint": run_dir / "train"}, ["train"], [])
-    add("evaluate", {"verifier": verifier, "draft": run_dir / "export"}, ["export"], [])
+    if "evaluate" in sections:
+        add("evaluate", {"verifier": verifier, "draft": run_dir / "export"}, ["export"], [])
     if "benchmark" in sections:
         add("benchmark", {"verifier": verifier, "draft": run_dir / "export"}, ["export"], [])
     for plan in stages.values():
@@ -249,9 +250,12 @@ def _top_level(raw: dict[str, Any], config: str, base: Path) -> tuple[str, Path]
         raise UserError(f"{config}: needs a top-level 'run_dir'")
     run_dir = Path(raw["run_dir"]).expanduser()
     run_dir = run_dir if run_dir.is_absolute() else base / run_dir
-    for required in ("prepare", "vocab", "train", "export", "evaluate"):
+    for required in ("prepare", "vocab", "train", "export"):
         if required not in raw:
             raise UserError(f"{config}: needs a '{required}' section (it may be empty: {required}: {{}})")
+    if "evaluate" not in raw and "benchmark" not in raw:  # a verifier only vLLM runs is measured by benchmark
+        raise UserError(f"{config}: needs an 'evaluate' section (it may be empty: evaluate: {{}}), or a "
+                        "'benchmark' one that measures the draft in vLLM (for a quantized verifier)")
     return verifier, run_dir
 
 
