@@ -57,7 +57,8 @@ QUANT_EVAL = ("our evaluator runs the verifier in transformers, which would only
 
 def architecture(name: str) -> dict[str, Cell]:
     return {"hf": ok(f"{ARCH}test_hf_extraction_reproduces_the_verifier[{name}]"),
-            "train": ok(f"{ARCH}test_an_eagle3_draft_trains_exports_and_decodes_losslessly[{name}]"),
+            "train": ok(f"{ARCH}test_an_eagle3_draft_trains_exports_and_decodes_losslessly[{name}]",
+                        f"{ARCH}test_an_eagle3_draft_trains_online[{name}]", note="offline and online"),
             "evaluate": ok(f"{ARCH}test_an_eagle3_draft_trains_exports_and_decodes_losslessly[{name}]")}
 
 

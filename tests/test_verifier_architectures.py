@@ -43,8 +43,8 @@ def test_hf_extraction_reproduces_the_verifier(verifier, tmp_path, smollm2_token
     check_exact(reader, load_verifier(path, with_tokenizer=False)[0], prepared, [2, 4, 5])
 
 
-def test_an_eagle3_draft_trains_exports_and_decodes_losslessly(verifier, tmp_path):
-    _, path = verifier
+def prepared_chats(path, tmp_path):
+    """A few chats through prepare and vocab for ``path``, in ``tmp_path`` (prepared/, vocab/)."""
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": [
         {"role": "user", "content": f"Tell me about {topic}."},
@@ -52,6 +52,22 @@ def test_an_eagle3_draft_trains_exports_and_decodes_losslessly(verifier, tmp_pat
         for topic in TOPICS), encoding="utf-8")
     prepare(verifier=str(path), data=[chats], out=tmp_path / "prepared", max_length=96)
     vocab(data=tmp_path / "prepared", out=tmp_path / "vocab", size=512)
+
+
+def test_an_eagle3_draft_trains_online(verifier, tmp_path):
+    """Online training: the verifier runs beside the draft and computes the states of each batch."""
+    _, path = verifier
+    prepared_chats(path, tmp_path)
+    summary = train(verifier=str(path), vocab=tmp_path / "vocab", data=tmp_path / "prepared", online=True,
+                    out=tmp_path / "run", max_steps=3, lr=1e-2, warmup_steps=0, eval_fraction=0.0, save_every=0,
+                    progress=False, seed=0)
+    assert (tmp_path / "run" / "final").is_dir()
+    assert summary["steps"] == 3
+
+
+def test_an_eagle3_draft_trains_exports_and_decodes_losslessly(verifier, tmp_path):
+    _, path = verifier
+    prepared_chats(path, tmp_path)
     extract(data=tmp_path / "prepared", out=tmp_path / "hs", dtype="float32", device="cpu", progress=False)
     train(verifier=str(path), vocab=tmp_path / "vocab", hidden_states=tmp_path / "hs", out=tmp_path / "run",
           max_steps=4, lr=1e-2, warmup_steps=0, eval_fraction=0.0, save_every=0, progress=False, seed=0)
