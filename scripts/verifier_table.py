@@ -49,7 +49,7 @@ ARCH = "tests/test_verifier_architectures.py::"
 QUANT = "tests/export/test_vllm_quantized.py::"
 QUANT_READ = QUANT + "test_quantized_weights_read_as_compressed_tensors_decompresses_them"
 QUANT_SERVE = QUANT + "test_a_draft_for_a_quantized_verifier_serves_losslessly"
-PARALLEL_MOE = ("tests/export/test_vllm_moe_parallel.py::"
+PARALLEL_MOE = ("tests/export/test_vllm_draft_variants.py::"
                 "test_vllm_counts_what_we_count_for_a_moe_verifiers_parallel_draft")
 QUANT_EVAL = ("our evaluator runs the verifier in transformers, which would only approximate a quantized checkpoint: "
               "it says so in one line; measure such drafts through vLLM (`benchmark`)")
@@ -192,9 +192,12 @@ def render() -> str:
     lines += ["", "## Notes", ""]
     lines += [f"- <a id=\"n{i}\"></a>n{i}: {note}" for i, note in enumerate(notes, 1)]
     lines += ["", "A mixture-of-experts verifier's draft MLP is as wide as its active experts (top-k x the expert "
-              "width; `eagle3.intermediate_size` overrides it). Sliding-window drafts (vLLM 0.32's EAGLE-3 draft "
-              "classes read `layer_types` + `sliding_window` from the draft's config) are not built yet: our drafts "
-              "attend to the whole context.", ""]
+              "width; `eagle3.intermediate_size` overrides it). An EAGLE-3 draft may attend over a sliding window "
+              "(`eagle3.sliding_window`, e.g. a sliding-window verifier's window): the export writes it as vLLM "
+              "0.32's EAGLE-3 draft classes read it (`layer_types` + `sliding_window`), and vLLM's counters equal "
+              "ours (`tests/export/test_vllm_draft_variants.py::"
+              "test_vllm_counts_what_we_count_for_a_sliding_window_draft`). It stays off by default: nothing here "
+              "measured that a window helps acceptance.", ""]
     return "\n".join(lines)
 
 

@@ -71,6 +71,26 @@ def test_round_trip_of_a_two_layer_draft(tmp_path, tiny_llama_dir):
         export(ckpt, out=tmp_path / "sgl", format="eagle3-sglang", verifier_name=str(tiny_llama_dir))
 
 
+def test_a_sliding_window_draft_round_trips_through_the_speculators_format(tmp_path, tiny_llama_dir):
+    """The window travels as vLLM's EAGLE-3 draft classes read it (``layer_types`` + ``sliding_window``); SGLang's
+    format has no window, and a config mixing layer kinds is refused in one line."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", tiny_llama_dir, num_layers=2, sliding_window=6, seed=7)
+    original, _ = load_draft(ckpt)
+    export(ckpt, out=tmp_path / "out", verifier_name=str(tiny_llama_dir))
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    layer = cfg["transformer_layer_config"]
+    assert layer["layer_types"] == ["sliding_attention"] * 2 and layer["sliding_window"] == 6
+    imported, _ = import_draft(tmp_path / "out")
+    assert imported.kwargs["sliding_window"] == 6
+    assert_same_draft(original, imported)
+    with pytest.raises(UserError, match=r"SGLang.*cannot run a draft with .*a sliding window of 6"):
+        export(ckpt, out=tmp_path / "sgl", format="eagle3-sglang", verifier_name=str(tiny_llama_dir))
+    layer["layer_types"] = ["sliding_attention", "full_attention"]
+    (tmp_path / "out" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=r"layer_types \['sliding_attention', 'full_attention'\] is not supported"):
+        import_draft(tmp_path / "out")
+
+
 def test_a_whole_vocabulary_draft_is_written_without_vocab_maps(tmp_path, tiny_llama_dir):
     """vLLM's EAGLE-3 model has no d2t parameter when the draft vocabulary is the verifier's, and refuses one."""
     from transformers import AutoConfig

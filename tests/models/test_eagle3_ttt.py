@@ -51,19 +51,34 @@ def test_mask_who_attends_to_whom_with_packing():
     assert torch.equal(ttt_mask_dense(1, 4)[0, 0, :, :4], torch.ones(4, 4, dtype=torch.bool).tril())
 
 
-def test_flex_mask_mod_equals_dense_mask():
+@pytest.mark.parametrize("step", [0, 2, 3])
+def test_a_sliding_window_keeps_the_keys_less_than_w_positions_back(step):
+    """The query of step k at anchor t sits at position t + k; a step-0 key j at j, the step-i key at t + i."""
+    t, window = 9, 3
+    m = ttt_mask_dense(step, t, window=window)[0, 0]
+    for q in range(t):
+        for key in range((step + 1) * t):
+            i, j = divmod(key, t)
+            key_pos, seen = (j, j <= q) if i == 0 else (q + i, j == q)
+            assert bool(m[q, key]) == (seen and q + step - key_pos < window), (q, key)
+    if step >= window:  # the anchor's own step-0 key is `step` positions back: outside the window
+        assert not m[:, :t].diagonal().any()
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_flex_mask_mod_equals_dense_mask(window):
     doc = torch.tensor([[0, 0, 0, 1, 1, 2], [0, 1, 1, 1, 1, 1]])
     t, steps = 6, 3
-    dense = ttt_mask_dense(steps - 1, t, doc)[:, 0]
-    mod = ttt_mask_mod(t, doc)
+    dense = ttt_mask_dense(steps - 1, t, doc, window=window)[:, 0]
+    mod = ttt_mask_mod(t, doc, steps - 1, window)
     b = torch.arange(2)[:, None, None]
     q = torch.arange(t)[None, :, None]
     kv = torch.arange(steps * t)[None, None, :]
     assert torch.equal(mod(b, 0, q, kv), dense)
 
 
-@pytest.mark.parametrize("step", [0, 1, 3])
-def test_document_by_document_attention_equals_the_dense_packed_mask(step):
+@pytest.mark.parametrize(("step", "window"), [(0, None), (1, None), (3, None), (3, 4)])
+def test_document_by_document_attention_equals_the_dense_packed_mask(step, window):
     from tiny_speculators.models.attention import attend, packed_ttt_mask
 
     g = torch.Generator().manual_seed(step)
@@ -72,8 +87,8 @@ def test_document_by_document_attention_equals_the_dense_packed_mask(step):
     q = torch.randn(2, 4, t, 8, generator=g, requires_grad=True)
     k = torch.randn(2, 2, steps * t, 8, generator=g, requires_grad=True)  # GQA, step-major keys
     v = torch.randn(2, 2, steps * t, 8, generator=g, requires_grad=True)
-    dense = attend(q, k, v, ttt_mask_dense(step, t, doc), scale=0.3)
-    blocks = attend(q, k, v, packed_ttt_mask(step, doc), scale=0.3)
+    dense = attend(q, k, v, ttt_mask_dense(step, t, doc, window=window), scale=0.3)
+    blocks = attend(q, k, v, packed_ttt_mask(step, doc, window), scale=0.3)
     torch.testing.assert_close(blocks, dense)
     w = torch.randn(dense.shape, generator=g)
     grads_dense = torch.autograd.grad((dense * w).sum(), (q, k, v))
@@ -90,10 +105,11 @@ def test_positions_from_documents():
 # ------------------------------------------------------------------------------------------------ rollout
 
 
-@pytest.mark.parametrize("num_layers", [1, 2])
-def test_rollout_equals_chain_drafting_with_kv_cache(num_layers):
-    """Step k at anchor t == what a serving engine computes: prefill keys 0..t, then k appended steps."""
-    tiny_draft = fixed_init(Eagle3Draft(**tiny_kwargs(num_layers=num_layers)))
+@pytest.mark.parametrize(("num_layers", "window"), [(1, None), (2, None), (1, 3), (2, 2)])
+def test_rollout_equals_chain_drafting_with_kv_cache(num_layers, window):
+    """Step k at anchor t == what a serving engine computes: prefill keys 0..t, then k appended steps (a
+    sliding-window draft's window over the cache's positions)."""
+    tiny_draft = fixed_init(Eagle3Draft(**tiny_kwargs(num_layers=num_layers, sliding_window=window)))
     ids, aux, _, _, _ = _batch(b=1, t=8)
     pos = torch.arange(8)[None]
     steps = 3
@@ -127,8 +143,8 @@ def test_packed_documents_equal_separate_documents(num_layers):
     torch.testing.assert_close(packed.loss_sums, separate[0].loss_sums + separate[1].loss_sums)
 
 
-def _sdpa_vs_flex(device):
-    kw = tiny_kwargs()
+def _sdpa_vs_flex(device, window=None):
+    kw = tiny_kwargs(sliding_window=window)
     ids, aux, last, mask, head = (x.to(device) if torch.is_tensor(x) else x for x in _batch(b=2, t=9, seed=5))
     head_w = head(torch.eye(HIDDEN)).T.to(device)  # the same linear head, on the device
     doc = torch.tensor([[0] * 4 + [1] * 5, [0] * 9], device=device)
@@ -157,6 +173,7 @@ def _sdpa_vs_flex(device):
 def test_sdpa_and_flex_agree_forward_cpu():
     """Forward only: torch's flex-attention raises NotImplementedError for backward on CPU."""
     _sdpa_vs_flex("cpu")
+    _sdpa_vs_flex("cpu", window=3)
     ids, aux, _, mask, head = _batch(b=1, t=4)
     with pytest.raises(ValueError, match="no backward on CPU"):
         ttt_step(fixed_init(Eagle3Draft(**tiny_kwargs())), input_ids=ids, aux_hidden_states=aux, target_logits=head(

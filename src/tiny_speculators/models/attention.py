@@ -18,6 +18,10 @@ attends to
 
 This is exactly what the draft sees when vLLM serves it: the prefill wrote one key per context
 position, and each later draft step appended one key for the single position it extends.
+
+A sliding-window draft (``window`` W, as vLLM runs a draft layer whose config says ``sliding_attention``) sees
+only keys less than W positions before its query: the query of step ``k`` at anchor ``t`` sits at position
+``t + k``, a step-0 key ``j`` at ``j`` and the step-``i`` key of the same anchor at ``t + i``.
 """
 
 from __future__ import annotations
@@ -117,6 +121,7 @@ class PackedTTTMask:
     step: int
     index: torch.Tensor  # [n_docs, L] long: flat (b * T + t) token of each block slot (pads repeat a real token)
     valid: torch.Tensor  # [n_docs, L] bool: slot holds a real token
+    window: int | None = None  # a sliding-window draft's window (module docstring)
 
 
 def document_blocks(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,9 +137,9 @@ def document_blocks(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return index, valid
 
 
-def packed_ttt_mask(step: int, document_ids: torch.Tensor) -> PackedTTTMask:
+def packed_ttt_mask(step: int, document_ids: torch.Tensor, window: int | None = None) -> PackedTTTMask:
     index, valid = document_blocks(document_ids)
-    return PackedTTTMask(step, index, valid)
+    return PackedTTTMask(step, index, valid, window)
 
 
 def _attend_packed(q, k, v, mask: PackedTTTMask, scale: float) -> torch.Tensor:
@@ -148,7 +153,7 @@ def _attend_packed(q, k, v, mask: PackedTTTMask, scale: float) -> torch.Tensor:
         return x.permute(1, 3, 0, 2, 4).reshape(n, h, steps * width, d)  # (n, H, steps, L, D) step-major
 
     q_blocks = q.transpose(1, 2).reshape(b * t, hq, d)[mask.index].transpose(1, 2)  # (n, Hq, L, D)
-    dense = ttt_mask_dense(mask.step, width, device=q.device)  # (1, 1, L, steps*L)
+    dense = ttt_mask_dense(mask.step, width, device=q.device, window=mask.window)  # (1, 1, L, steps*L)
     out = attend(q_blocks, blocks(k), blocks(v), dense, scale=scale)  # (n, Hq, L, D)
     flat = q.new_zeros(b * t, hq, d)
     flat = flat.index_put((mask.index[mask.valid],), out.transpose(1, 2)[mask.valid])
@@ -179,18 +184,22 @@ def attend(
 
 
 def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask, cache: KVCache | None, *,
-                  scale: float) -> torch.Tensor:
+                  scale: float, window: int | None = None) -> torch.Tensor:
     """:func:`attend` of new queries ``q [B, Hq, T, D]`` over the cached keys/values followed by the new ``k, v
-    [B, Hkv, T, D]`` (appended to ``cache``). ``attention_mask`` covers all keys (cached + new); None is causal."""
+    [B, Hkv, T, D]`` (appended to ``cache``). ``attention_mask`` covers all keys (cached + new); None is causal, and
+    with ``window`` also only the keys less than ``window`` positions back (a key's position is its index then)."""
     t = q.shape[2]
     past = 0
     if cache is not None:
         past = cache.length
         k, v = cache.append(k, v)  # (B, Hkv, S, D), S = past + T
     mask = attention_mask
-    if mask is None and past > 0:  # causal over cached + new keys
-        s = k.shape[2]
-        mask = torch.arange(s, device=q.device)[None, :] <= (past + torch.arange(t, device=q.device))[:, None]
+    if mask is None and (past > 0 or window is not None):  # causal over cached + new keys
+        keys = torch.arange(k.shape[2], device=q.device)[None, :]
+        queries = (past + torch.arange(t, device=q.device))[:, None]
+        mask = keys <= queries
+        if window is not None:
+            mask = mask & (queries - keys < window)
     if isinstance(mask, torch.Tensor) and mask.shape[-1] != k.shape[2]:
         raise ValueError(f"attention_mask covers {mask.shape[-1]} keys, but there are {k.shape[2]}")
     return attend(q, k, v, mask, scale=scale, causal=mask is None)
@@ -202,10 +211,11 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_m
 
 
 def ttt_mask_dense(step: int, seq_len: int, document_ids: torch.Tensor | None = None, *, batch_size: int = 1,
-                   device=None) -> torch.Tensor:
+                   device=None, window: int | None = None) -> torch.Tensor:
     """Boolean mask ``[B, 1, T, (step+1)*T]`` for the queries of TTT step ``step`` (True = attend).
 
-    ``document_ids``: optional ``[B, T]`` ints; a query only sees step-0 keys of its own document.
+    ``document_ids``: optional ``[B, T]`` ints; a query only sees step-0 keys of its own document. ``window``: a
+    sliding-window draft's (module docstring).
     """
     t = seq_len
     if document_ids is not None:
@@ -213,6 +223,8 @@ def ttt_mask_dense(step: int, seq_len: int, document_ids: torch.Tensor | None = 
         batch_size = document_ids.shape[0]
     q = torch.arange(t, device=device)
     causal = q[None, :] <= q[:, None]  # (T, T) key j <= query t
+    if window is not None:
+        causal = causal & (q[:, None] + step - q[None, :] < window)
     if document_ids is not None:
         same_doc = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T, T)
         step0 = causal[None] & same_doc
@@ -221,12 +233,14 @@ def ttt_mask_dense(step: int, seq_len: int, document_ids: torch.Tensor | None = 
     blocks = [step0]
     if step > 0:
         eye = torch.eye(t, dtype=torch.bool, device=device)[None].expand(batch_size, t, t)
-        blocks.extend([eye] * step)
+        blocks.extend(eye if window is None or step - i < window else torch.zeros_like(eye)
+                      for i in range(1, step + 1))
     return torch.cat(blocks, dim=-1)[:, None]  # (B, 1, T, (step+1)T)
 
 
-def ttt_mask_mod(seq_len: int, document_ids: torch.Tensor | None = None):
-    """The flex ``mask_mod(b, h, q_idx, kv_idx)`` of the TTT mask (any step: keys laid out step-major)."""
+def ttt_mask_mod(seq_len: int, document_ids: torch.Tensor | None = None, step: int = 0, window: int | None = None):
+    """The flex ``mask_mod(b, h, q_idx, kv_idx)`` of the TTT mask (keys laid out step-major; the queries' ``step``
+    matters only with a ``window``)."""
     t = seq_len
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -235,13 +249,17 @@ def ttt_mask_mod(seq_len: int, document_ids: torch.Tensor | None = None):
         causal = kv_pos <= q_idx
         if document_ids is not None:
             causal = causal & (document_ids[b, kv_pos] == document_ids[b, q_idx])
-        return ((kv_step == 0) & causal) | ((kv_step > 0) & (kv_pos == q_idx))
+        diagonal = (kv_step > 0) & (kv_pos == q_idx)
+        if window is not None:
+            causal = causal & (q_idx + step - kv_pos < window)
+            diagonal = diagonal & (step - kv_step < window)
+        return ((kv_step == 0) & causal) | diagonal
 
     return mask_mod
 
 
 def ttt_block_mask(step: int, seq_len: int, document_ids: torch.Tensor | None = None, *, batch_size: int = 1,
-                   device=None, block_size: int = 128):
+                   device=None, block_size: int = 128, window: int | None = None):
     """A flex ``BlockMask`` equal to :func:`ttt_mask_dense` for TTT step ``step``."""
     if not flex_available():
         raise RuntimeError("flex-attention needs torch >= 2.5; use attention='sdpa'")
@@ -249,5 +267,5 @@ def ttt_block_mask(step: int, seq_len: int, document_ids: torch.Tensor | None = 
         device = document_ids.device
         batch_size = document_ids.shape[0]
     b = batch_size if document_ids is not None else None
-    return create_block_mask(ttt_mask_mod(seq_len, document_ids), B=b, H=None, Q_LEN=seq_len,
+    return create_block_mask(ttt_mask_mod(seq_len, document_ids, step, window), B=b, H=None, Q_LEN=seq_len,
                              KV_LEN=(step + 1) * seq_len, device=device, BLOCK_SIZE=block_size)

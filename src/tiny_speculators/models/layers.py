@@ -120,10 +120,14 @@ def o_proj_bias(attention_bias: bool, layer_type: str) -> bool:
 
 
 class Attention(nn.Module):
+    """Attention over a :class:`KVCache`; with ``window`` a sliding-window layer (when the caller gives no mask:
+    the explicit masks carry the window themselves, :mod:`~tiny_speculators.models.attention`)."""
+
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
-                 qk_norm: bool, eps: float, input_size: int | None = None, o_bias: bool = False) -> None:
+                 qk_norm: bool, eps: float, input_size: int | None = None, o_bias: bool = False,
+                 window: int | None = None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim, self.window = num_heads, num_kv_heads, head_dim, window
         input_size = input_size or 2 * hidden_size  # the EAGLE-3 layer reads concat(embedding, hidden)
         self.q_proj = nn.Linear(input_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=bias)
@@ -144,20 +148,21 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, Hq, T, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, D)
-        out = attend_cached(q, k, v, attention_mask, cache, scale=1.0 / math.sqrt(self.head_dim))  # (B, Hq, T, D)
+        out = attend_cached(q, k, v, attention_mask, cache, scale=1.0 / math.sqrt(self.head_dim),
+                            window=self.window)  # (B, Hq, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, *, hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
-                 rms_norm_eps, attention_bias, layer_type, norm_before_residual) -> None:
+                 rms_norm_eps, attention_bias, layer_type, norm_before_residual, sliding_window=None) -> None:
         super().__init__()
         self.norm_before_residual = norm_before_residual
         self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
         self.hidden_norm = RMSNorm(hidden_size, rms_norm_eps)
         self.self_attn = Attention(hidden_size, num_attention_heads, num_key_value_heads, head_dim,
                                    attention_bias, layer_type == "qwen3", rms_norm_eps,
-                                   o_bias=o_proj_bias(attention_bias, layer_type))
+                                   o_bias=o_proj_bias(attention_bias, layer_type), window=sliding_window)
         self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
         self.mlp = MLP(hidden_size, intermediate_size)
 
@@ -174,12 +179,12 @@ class LlamaLayer(nn.Module):
     """A plain pre-norm Llama (or Qwen3) decoder layer on the H-wide residual stream (layers 1..L-1)."""
 
     def __init__(self, *, hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
-                 rms_norm_eps, attention_bias, layer_type) -> None:
+                 rms_norm_eps, attention_bias, layer_type, sliding_window=None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
         self.self_attn = Attention(hidden_size, num_attention_heads, num_key_value_heads, head_dim, attention_bias,
                                    layer_type == "qwen3", rms_norm_eps, input_size=hidden_size,
-                                   o_bias=o_proj_bias(attention_bias, layer_type))
+                                   o_bias=o_proj_bias(attention_bias, layer_type), window=sliding_window)
         self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
         self.mlp = MLP(hidden_size, intermediate_size)
 
@@ -227,8 +232,9 @@ def rotary_of(kwargs: Mapping[str, Any]) -> Rotary:
 
 def decoder_stack(kwargs: Mapping[str, Any], num_layers: int) -> nn.ModuleList:
     """Layer 0 the fused-input :class:`DecoderLayer`, then ``num_layers - 1`` plain :class:`LlamaLayer` s, shaped by a
-    draft's ``kwargs`` (with its ``layer_type`` and ``norm_before_residual``)."""
-    shape = dict(layer_kwargs(kwargs), layer_type=kwargs["layer_type"])
+    draft's ``kwargs`` (with its ``layer_type``, ``norm_before_residual`` and any ``sliding_window``: every layer
+    then attends over that window)."""
+    shape = dict(layer_kwargs(kwargs), layer_type=kwargs["layer_type"], sliding_window=kwargs.get("sliding_window"))
     return nn.ModuleList([DecoderLayer(**shape, norm_before_residual=kwargs["norm_before_residual"]),
                           *(LlamaLayer(**shape) for _ in range(num_layers - 1))])
 

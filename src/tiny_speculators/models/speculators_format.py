@@ -48,6 +48,9 @@ def transformer_layer_config(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     }
     if int(kwargs.get("num_aux", 3)) != 3:  # vLLM sizes fc from this (default 3)
         cfg["num_aux_hidden_states"] = int(kwargs["num_aux"])
+    if kwargs.get("sliding_window"):  # vLLM's EAGLE-3 draft layers read their kind from layer_types
+        cfg["layer_types"] = ["sliding_attention"] * int(kwargs.get("num_layers", 1))
+        cfg["sliding_window"] = int(kwargs["sliding_window"])
     return cfg
 
 

@@ -171,13 +171,14 @@ def rollout(draft: nn.Module, input_ids, aux_hidden_states, position_ids, docume
     hidden = draft.fuse(aux_hidden_states)  # (B, T, H)
     outs = []
     blocks = document_blocks(document_ids) if document_ids is not None and attention == "sdpa" else None
+    window = getattr(draft, "kwargs", {}).get("sliding_window")  # a sliding-window draft's masks carry it
     for k in range(steps):
         if attention == "flex":
-            mask = ttt_block_mask(k, t, document_ids, batch_size=b, device=input_ids.device)
+            mask = ttt_block_mask(k, t, document_ids, batch_size=b, device=input_ids.device, window=window)
         elif blocks is not None:  # packed documents: attention document by document (no [T, (k+1)T] mask)
-            mask = PackedTTTMask(k, *blocks)
+            mask = PackedTTTMask(k, *blocks, window=window)
         else:
-            mask = ttt_mask_dense(k, t, document_ids, batch_size=b, device=input_ids.device)
+            mask = ttt_mask_dense(k, t, document_ids, batch_size=b, device=input_ids.device, window=window)
         ids_k = shift_left(input_ids, k + 1)  # x_{t+k+1}
         out = draft(ids_k, hidden, position_ids + k, attention_mask=mask, cache=cache, logits=False)
         hidden = out.hidden_states

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 _OVERRIDABLE = {
     "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_aux", "rms_norm_eps",
     "rope_parameters", "max_position_embeddings", "attention_bias", "layer_type", "norm_before_residual",
-    "norm_before_fc", "fc_norm", "train_embeddings", "hidden_act", "aux_layer_ids", "num_layers",
+    "norm_before_fc", "fc_norm", "train_embeddings", "hidden_act", "aux_layer_ids", "num_layers", "sliding_window",
 }
 
 
@@ -58,6 +58,9 @@ class Eagle3Options:
         init_layer: the first verifier layer ``init: verifier`` copies (default: the last aux layer).
         intermediate_size: MLP width of the draft's layers; default: the verifier's, for a mixture-of-experts
             verifier the width it runs per token (experts per token x expert width + shared experts).
+        sliding_window: the draft's layers attend only to this many latest positions, as vLLM 0.32 runs a draft
+            whose config says ``sliding_attention`` (e.g. the window of a sliding-window verifier's layers); default
+            the whole context. Chain drafting only (no EAGLE-2 trees); exported to the speculators format.
     """
 
     ttt_steps: int = 3
@@ -69,12 +72,14 @@ class Eagle3Options:
     init: Literal["random", "verifier"] = "random"
     init_layer: int | None = None
     intermediate_size: int | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         check_ranges(("ttt_steps", self.ttt_steps, AT_LEAST_1), ("decay", self.decay, FRACTION),
                      ("num_layers", self.num_layers, AT_LEAST_1))
-        if self.intermediate_size is not None:
-            check_ranges(("intermediate_size", self.intermediate_size, AT_LEAST_1))
+        for name in ("intermediate_size", "sliding_window"):
+            if getattr(self, name) is not None:
+                check_ranges((name, getattr(self, name), AT_LEAST_1))
 
 
 def draft_kwargs_from_verifier(verifier_config: Any, draft_vocab_size: int, **overrides: Any) -> dict[str, Any]:
@@ -82,7 +87,7 @@ def draft_kwargs_from_verifier(verifier_config: Any, draft_vocab_size: int, **ov
     :func:`~tiny_speculators.models.shape.verifier_shape` and EAGLE-3's defaults. ``overrides`` may change any of:
     ``intermediate_size, num_attention_heads, num_key_value_heads, head_dim, num_aux, rms_norm_eps, rope_parameters,
     max_position_embeddings, attention_bias, layer_type, norm_before_residual, norm_before_fc, fc_norm,
-    train_embeddings, hidden_act, aux_layer_ids, num_layers``.
+    train_embeddings, hidden_act, aux_layer_ids, num_layers, sliding_window``.
     """
     unknown = set(overrides) - _OVERRIDABLE
     if unknown:
@@ -114,7 +119,8 @@ def build(inputs: BuildInputs, options: Eagle3Options) -> Eagle3Draft:
         aux_layer_ids=list(inputs.aux_layer_ids), layer_type=resolve_layer_type(options.layer_type,
                                                                                 inputs.verifier_config),
         fc_norm=options.fc_norm, norm_before_residual=options.norm_before_residual, num_layers=options.num_layers,
-        **({} if options.intermediate_size is None else {"intermediate_size": options.intermediate_size}))
+        **({} if options.intermediate_size is None else {"intermediate_size": options.intermediate_size}),
+        **({} if options.sliding_window is None else {"sliding_window": options.sliding_window}))
     draft = build_draft(kwargs, inputs.d2t, inputs.t2d, embed_weight=inputs.embed_weight,
                         lm_head_weight=inputs.lm_head_weight)
     if options.init == "verifier":

@@ -65,6 +65,8 @@ class Eagle3Draft(FusedInputDraft):
             ``lm_head`` reads it as is (speculators' ``norm_output``, its EAGLE-3 default since 0.9).
         num_layers: decoder layers: layer 0 the EAGLE-3 layer, the rest plain layers of ``layer_type`` (as vLLM
             runs a draft whose ``num_hidden_layers`` is above 1).
+        sliding_window: every decoder layer attends only to the keys less than this many positions back (as vLLM
+            runs a draft layer of ``layer_types`` ``sliding_attention``); None attends to the whole context.
         shape: the :class:`~tiny_speculators.models.shape.DraftShape` fields (vocabulary, attention, MLP, norms,
             RoPE, ``num_aux`` fused verifier states, 3 in EAGLE-3, ``aux_layer_ids``, ``train_embeddings``).
     """
@@ -78,11 +80,14 @@ class Eagle3Draft(FusedInputDraft):
         fc_norm: bool = False,
         norm_output: bool = False,
         num_layers: int = 1,
+        sliding_window: int | None = None,
         **shape: Any,
     ) -> None:
         super().__init__()
         if num_layers < 1:
             raise UserError(f"num_layers must be at least 1, got {num_layers}")
+        if sliding_window is not None and sliding_window < 1:
+            raise UserError(f"sliding_window must be at least 1, got {sliding_window}")
         s = DraftShape(**shape)
         check_layer_type(layer_type)
         self.kwargs = s.record(  # exactly what save_draft writes and load_draft rebuilds from
@@ -90,6 +95,8 @@ class Eagle3Draft(FusedInputDraft):
             fc_norm=fc_norm, norm_output=norm_output)
         if num_layers != 1:  # one-layer drafts keep the keyword arguments they always had
             self.kwargs["num_layers"] = int(num_layers)
+        if sliding_window is not None:  # as do full-attention drafts
+            self.kwargs["sliding_window"] = int(sliding_window)
         self.hidden_size, self.draft_vocab_size, self.num_aux = s.hidden_size, s.draft_vocab_size, s.num_aux
         self.target_hidden_size = s.target_hidden_size
         self.norm_output = norm_output

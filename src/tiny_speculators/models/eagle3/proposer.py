@@ -26,6 +26,8 @@ class Eagle3Proposer(ChainProposer):
 
     def __init__(self, draft: Eagle3Draft):
         super().__init__(draft)
+        # tree masks address cache slots, not positions: a sliding-window draft drafts chains only
+        self.supports_tree = not draft.kwargs.get("sliding_window")
 
     def build_tree(self, root: int, params: TreeParams) -> DraftTree:
         """An EAGLE-2 dynamic tree from the current state (module docstring); the draft cache is left as found."""

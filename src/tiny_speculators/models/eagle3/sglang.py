@@ -45,6 +45,8 @@ def check_exportable(kwargs: Mapping[str, Any]) -> None:
         unsupported.append("norm_output")
     if int(kwargs.get("num_layers", 1)) != 1:
         unsupported.append(f"{kwargs['num_layers']} decoder layers (its midlayer is one)")
+    if kwargs.get("sliding_window"):
+        unsupported.append(f"a sliding window of {kwargs['sliding_window']}")
     if unsupported:
         raise UserError(f"SGLang's {ARCHITECTURE} cannot run a draft with {', '.join(unsupported)}; "
                         "export it with --format speculators instead")

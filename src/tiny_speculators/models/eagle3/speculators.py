@@ -133,9 +133,15 @@ def draft_kwargs(cfg: Mapping[str, Any], fc_in_features: int | None = None) -> d
                             f"size {target_hidden}")
         num_aux = fc_in_features // target_hidden
     layers = int(layer.get("num_hidden_layers", 1))
+    kinds = set(layer.get("layer_types") or ["full_attention"])
+    if kinds - {"full_attention", "sliding_attention"} or len(kinds) > 1:
+        raise UserError(f"transformer_layer_config.layer_types {layer.get('layer_types')} is not supported: a draft's "
+                        "layers are all full_attention or all sliding_attention")
+    window = {"sliding_window": int(layer["sliding_window"])} if kinds == {"sliding_attention"} else {}
     return dict(
         **layer_shape_of(layer),
         **({"num_layers": layers} if layers != 1 else {}),  # one-layer drafts keep the kwargs they always had
+        **window,
         draft_vocab_size=int(cfg["draft_vocab_size"]),
         target_hidden_size=target_hidden,
         num_aux=num_aux,
