@@ -68,5 +68,5 @@ def test_unknown_and_missing_files(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         list(read_records([tmp_path / "nope.jsonl"]))
     (tmp_path / "folder").mkdir()
-    with pytest.raises(UserError, match="not a `datasets` save_to_disk folder"):
+    with pytest.raises(UserError, match="neither a `datasets` save_to_disk folder nor a stage's output folder"):
         list(read_records([tmp_path / "folder"]))

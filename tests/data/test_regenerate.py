@@ -222,11 +222,21 @@ def test_endpoint_errors_are_one_sentence(tmp_path):
     assert chat_completions_url("http://h:8000/") == "http://h:8000/v1/chat/completions"
 
 
-def test_cli(tmp_path, tiny_llama_dir):
+def test_cli(tmp_path, tiny_llama_dir, capsys):
+    """As people chain the stages: regenerate's output folder is prepare's --data (its chats.jsonl)."""
     data = write_jsonl(tmp_path / "in.jsonl", RECORDS[:2])
     rc = main(["regenerate", "--verifier", str(tiny_llama_dir), "--data", str(data), "--out", str(tmp_path / "o"),
                "--max-new-tokens", "4", "--batch-size", "2"])
     assert rc == 0 and len(read_chats(tmp_path / "o")) == 2
+    rc = main(["prepare", "--verifier", str(tiny_llama_dir), "--data", str(tmp_path / "o"), "--out",
+               str(tmp_path / "prepared")])
+    summary = json.loads((tmp_path / "prepared" / "summary.json").read_text())
+    assert rc == 0 and summary["kept"] == 2 and summary["data"] == [str(tmp_path / "o" / "chats.jsonl")]
+    (tmp_path / "plain").mkdir()
+    assert main(["prepare", "--verifier", str(tiny_llama_dir), "--data", str(tmp_path / "plain"), "--out",
+                 str(tmp_path / "p2")]) == 1
+    assert "is a folder but neither a `datasets` save_to_disk folder nor a stage's output folder" in \
+        capsys.readouterr().err
 
 
 def test_vllm_backend_falls_back_in_process_when_its_environment_cannot_be_built(tmp_path, tiny_llama_dir,

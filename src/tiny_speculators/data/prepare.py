@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 
 from tiny_speculators.data import tokenizer as tok
 from tiny_speculators.data.chat import ChatRenderer, RecordError
-from tiny_speculators.data.readers import count_records, read_records
+from tiny_speculators.data.readers import count_records, read_records, resolve_data
 from tiny_speculators.data.resume import ChunkStore, input_fingerprint
 from tiny_speculators.errors import UserError
 from tiny_speculators.tables import print_summary_table
@@ -115,7 +115,7 @@ def prepare(
         trust_remote_code: allow the tokenizer's custom code from the hub.
     """
     started = time.perf_counter()
-    data = [Path(p) for p in data]
+    data = resolve_data(data)  # regenerate's output folder stands for its chats.jsonl
     template_text = _check_arguments(data, max_length, chunk_records, field, chat_template)
 
     tokenizer = tok.load_prepare_tokenizer(verifier, trust_remote_code=trust_remote_code)

@@ -28,7 +28,7 @@ from tiny_speculators.data.chat import RecordError
 from tiny_speculators.data.layouts import ROLES, TURN_KEYS, normalize_record
 from tiny_speculators.errors import UserError
 
-__all__ = ["FORMATS", "ROLES", "Record", "count_records", "normalize_messages", "read_records"]
+__all__ = ["FORMATS", "ROLES", "Record", "count_records", "normalize_messages", "read_records", "resolve_data"]
 
 FORMATS = ".jsonl, .ndjson, .json, .parquet, .csv, .tsv or a datasets folder"
 
@@ -170,12 +170,31 @@ def _read_dataset_dir(path: Path, field: str | None, skip: int) -> Iterator[Reco
         skip = 0
 
 
+def _stage_output(path: Path) -> Path | None:
+    """The file a stage's output folder holds its records in (its ``summary.json`` names it: ``regenerate``'s
+    ``chats.jsonl``), or None."""
+    summary = path / "summary.json"
+    if not (path.is_dir() and summary.is_file()):
+        return None
+    try:
+        name = json.loads(summary.read_text(encoding="utf-8")).get("output")
+    except (json.JSONDecodeError, AttributeError, OSError):
+        return None
+    return path / name if isinstance(name, str) and (path / name).is_file() else None
+
+
+def resolve_data(paths: Iterable[str | Path]) -> list[Path]:
+    """The data paths to read: a stage's output folder (``regenerate --out``) stands for the file it wrote."""
+    return [_stage_output(Path(p)) or Path(p) for p in paths]
+
+
 def _reader(path: Path):
     suffix = path.suffix.lower()
     if _is_dataset_dir(path):
         return _read_dataset_dir
     if path.is_dir():
-        raise UserError(f"{path} is a folder but not a `datasets` save_to_disk folder")
+        raise UserError(f"{path} is a folder but neither a `datasets` save_to_disk folder nor a stage's output "
+                        "folder (a summary.json naming its output file, as regenerate writes)")
     readers = {".jsonl": _read_jsonl, ".ndjson": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet,
                ".pq": _read_parquet, ".csv": _read_csv, ".tsv": _read_csv}
     if suffix not in readers:

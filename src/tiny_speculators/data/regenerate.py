@@ -49,7 +49,7 @@ from typing import Any, Literal
 
 from tiny_speculators.atomic import write_text_atomic
 from tiny_speculators.data.generate import EndpointGenerator, HFGenerator, Sampling, chat_completions_url, start_vllm
-from tiny_speculators.data.readers import read_records
+from tiny_speculators.data.readers import read_records, resolve_data
 from tiny_speculators.errors import UserError
 from tiny_speculators.serving import build_vllm_env, check_port_free
 from tiny_speculators.verifier.load import verifier_id
@@ -99,7 +99,7 @@ def read_conversations(paths: Iterable[Path], strict: bool = False) -> tuple[lis
     """
     convs: list[Conversation] = []
     dropped: Counter = Counter()
-    for index, record in enumerate(read_records(paths)):
+    for index, record in enumerate(read_records(resolve_data(paths))):
         if record.error is not None:
             if strict:
                 raise UserError(f"{record.where}: {record.error} (--strict stops at the first bad record)")
