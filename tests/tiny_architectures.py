@@ -44,9 +44,10 @@ def config_of(name: str, tokenizer):
     if name == "qwen3_moe":
         return Qwen3MoeConfig(**text, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
                               num_experts_per_tok=2, norm_topk_prob=True)
-    if name == "gpt_oss":
-        return GptOssConfig(**text, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
-                            sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2))
+    if name == "gpt_oss":  # vLLM's gpt-oss hard-codes RMSNorm eps 1e-5 (the real checkpoints'), not the config's
+        return GptOssConfig(**{**text, "rms_norm_eps": 1e-5}, intermediate_size=32, num_local_experts=4,
+                            num_experts_per_tok=2, sliding_window=8,
+                            layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2))
     if name == "gemma3":
         return Gemma3TextConfig(**text, intermediate_size=128, sliding_window=8, query_pre_attn_scalar=32,
                                 layer_types=["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2)

@@ -177,14 +177,18 @@ def test_vllm_counts_what_we_count_for_a_two_layer_draft(vllm_worker, tmp_path, 
 
 
 
-def test_vllm_counts_what_we_count_for_a_moe_verifiers_draft(vllm_worker, tmp_path, smollm2_tokenizer):
-    """A Qwen3-MoE verifier (8 experts, top-2, as Qwen3-30B-A3B): an EAGLE-3 draft trained on it, its MLP as wide as
-    the verifier's two active experts, decodes losslessly in vLLM with exactly our evaluator's counters."""
+@pytest.mark.parametrize(("name", "architecture"), [("qwen3_moe", "Qwen3MoeForCausalLM"),
+                                                    ("gpt_oss", "GptOssForCausalLM")])
+def test_vllm_counts_what_we_count_for_a_moe_verifiers_draft(name, architecture, vllm_worker, tmp_path,
+                                                             smollm2_tokenizer):
+    """A Qwen3-MoE verifier (8 experts, top-2, as Qwen3-30B-A3B) and a gpt-oss one (4 experts, top-2, attention sinks,
+    sliding and full layers alternating): an EAGLE-3 draft trained on each, its MLP as wide as the verifier's two
+    active experts, decodes losslessly in vLLM with exactly our evaluator's counters."""
     from tiny_architectures import make_tiny_architecture
     from tiny_speculators.export import export, import_draft
     from tiny_speculators.models.eagle3.proposer import Eagle3Proposer
 
-    moe = make_tiny_architecture(tmp_path / "qwen3-moe", "qwen3_moe", smollm2_tokenizer)
+    moe = make_tiny_architecture(tmp_path / name, name, smollm2_tokenizer)
     aux = [2, 4, 5]
     ckpt = train_draft(moe, tmp_path / "ckpt", steps=30, lr=5e-3, new_tokens=24, verifier_name=str(moe),
                        aux_layer_ids=aux)
@@ -196,7 +200,7 @@ def test_vllm_counts_what_we_count_for_a_moe_verifiers_draft(vllm_worker, tmp_pa
     vllm_worker.run("generate", str(tmp_path / "export"), str(tmp_path / "spec.json"), "--prompts",
                     str(tmp_path / "prompts.json"), "--max-tokens", "32", "--max-model-len", "512")
     spec = json.loads((tmp_path / "spec.json").read_text())
-    assert spec["architectures"]["target"] == ["Qwen3MoeForCausalLM"]
+    assert spec["architectures"]["target"] == [architecture]
     assert spec["tokens"] == ours["hf_tokens"] == ours["spec_tokens"]
     drafts, accepted, per_pos = counters(spec)
     assert (drafts, accepted, per_pos) == (ours["drafts"], ours["accepted"], ours["per_position"]), ours

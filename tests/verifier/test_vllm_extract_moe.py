@@ -1,6 +1,7 @@
-"""``extract --backend vllm`` on a mixture-of-experts verifier (the tiny Qwen3-MoE: 8 experts, top-2, as
-Qwen3-30B-A3B): vLLM's states equal the HF backend's within fp32 rounding, and the guard checked each sample against
-vLLM's own next token. A module of its own so that it can run beside the embedded verifier's vLLM extraction."""
+"""``extract --backend vllm`` on mixture-of-experts verifiers (the tiny Qwen3-MoE: 8 experts, top-2, as
+Qwen3-30B-A3B; the tiny gpt-oss: attention sinks, sliding and full layers alternating): vLLM's states equal the HF
+backend's within fp32 rounding, and the guard checked each sample against vLLM's own next token. A module of its own
+so that it can run beside the embedded verifier's vLLM extraction."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ RTOL_OF_MAX = 2e-4  # vLLM's kernels against HF's: fp32 rounding (measured 3.9e-
 LENGTHS = (5, 30, 17)
 
 
-def test_vllm_states_of_a_moe_verifier_equal_hf(vllm_venv, tmp_path, smollm2_tokenizer):
-    verifier = make_tiny_architecture(tmp_path / "qwen3-moe", "qwen3_moe", smollm2_tokenizer)
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_vllm_states_of_a_moe_verifier_equal_hf(name, vllm_venv, tmp_path, smollm2_tokenizer):
+    verifier = make_tiny_architecture(tmp_path / name, name, smollm2_tokenizer)
     prepared = make_prepared(tmp_path / "prepared", str(verifier), len(smollm2_tokenizer), list(LENGTHS))
     common = dict(data=prepared, dtype="float32", device="cpu", progress=False)
     summary = extract(out=tmp_path / "vllm", backend="vllm", vllm_venv=vllm_venv, **common)
