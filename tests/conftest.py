@@ -11,6 +11,7 @@ starts in the background once collection ends and those tests run last, so the b
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -40,20 +41,33 @@ if xdist_workers() > 1:  # each worker (and what it starts) gets its share of th
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-def pytest_collection_modifyitems(config, items):
-    """vLLM tests last (stable otherwise), so that the vLLM environment builds while the CPU tests run.
+DURATIONS = Path(__file__).parent / "durations.json"  # each module's seconds on a full run here (dev/durations.py)
 
-    Under ``-n N --dist loadfile`` (pyproject's addopts) a test module runs on one worker, as one piece: a module
-    holds vLLM tests or CPU tests, never both, or its CPU tests would wait for the environment's build.
+
+def pytest_collection_modifyitems(config, items):
+    """vLLM tests last, so that the vLLM environment builds while the CPU tests run; within each phase the longest
+    modules first (``durations.json``; a module not in it counts as short), so that no worker starts a long module
+    when the other is nearly done.
+
+    Under ``-n N --dist loadfile --no-loadscope-reorder`` (pyproject's addopts) a test module runs on one worker, as
+    one piece, in this order: a module holds vLLM tests or CPU tests, never both, or its CPU tests would wait for the
+    environment's build.
     """
+    root = Path(__file__).parent
     kinds: dict[Path, set[bool]] = {}
     for item in items:
         kinds.setdefault(Path(str(item.path)), set()).add(item.get_closest_marker("vllm") is not None)
-    mixed = sorted(str(path.relative_to(Path(__file__).parent)) for path, kind in kinds.items() if len(kind) > 1)
+    mixed = sorted(str(path.relative_to(root)) for path, kind in kinds.items() if len(kind) > 1)
     if mixed:
         raise pytest.UsageError(f"{', '.join(mixed)}: vllm-marked and CPU tests in one module; move the CPU ones to a "
                                 "module of their own (tests/conftest.py says why)")
-    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
+    seconds = json.loads(DURATIONS.read_text(encoding="utf-8")) if DURATIONS.is_file() else {}
+
+    def cost(item) -> float:
+        path = Path(str(item.path))
+        return seconds.get(path.relative_to(root).as_posix(), 0.0) if path.is_relative_to(root) else 0.0
+
+    items.sort(key=lambda item: (item.get_closest_marker("vllm") is not None, -cost(item)))  # stable: modules whole
 
 
 def pytest_collection_finish(session):

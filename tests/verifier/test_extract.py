@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from extract_checks import ATOL, assert_close, check_exact, reference
 
+from extract_checks import ATOL, assert_close, check_exact, reference
 from tiny_speculators.errors import UserError
 from tiny_speculators.storage.reader import HiddenStateReader
 from tiny_speculators.verifier.extract import extract, plan_shards, token_batches
