@@ -110,13 +110,19 @@ def regenerate_to(verifier, data: Path, out: Path, **kw) -> Path:
 def test_resume_skips_finished_records_and_restarts_on_changed_settings(tmp_path, tiny_llama_dir):
     data = write_jsonl(tmp_path / "in.jsonl", RECORDS)
     out = tmp_path / "out"
-    regenerate(str(tiny_llama_dir), [data], out, max_new_tokens=6, max_records=2)
+    finished = regenerate(str(tiny_llama_dir), [data], out, max_new_tokens=6, max_records=2)
     first = read_chats(out)
-    with (out / "partial.jsonl").open("a") as f:
-        f.write('{"id": "torn')  # an interrupted write
+    assert sorted(p.name for p in out.iterdir()) == ["chats.jsonl", "summary.json"]  # no journal left behind
+    assert all(c["new_tokens"] > 0 and c["truncated_turns"] >= 0 for c in first)
+    # an interrupted run after it: a third record in its journal, then a torn write
+    (out / "partial.settings.json").write_text(json.dumps(finished["generation_settings"]))
+    regenerate(str(tiny_llama_dir), [data], tmp_path / "other", max_new_tokens=6, max_records=3)
+    third = {**read_chats(tmp_path / "other")[2], "messages": [{"role": "user", "content": "from the journal"}]}
+    (out / "partial.jsonl").write_text(json.dumps(third) + "\n" + '{"id": "torn')
     summary = regenerate(str(tiny_llama_dir), [data], out, max_new_tokens=6)
-    assert summary["resumed_records"] == 2 and summary["kept"] == 4
-    assert read_chats(out)[:2] == first
+    assert summary["resumed_records"] == 3 and summary["kept"] == 4
+    assert read_chats(out)[:2] == first and read_chats(out)[2]["messages"] == third["messages"]
+    assert not (out / "partial.jsonl").exists()
     again = regenerate(str(tiny_llama_dir), [data], out, max_new_tokens=6)
     assert again["resumed_records"] == 4 and again["new_tokens"] == 0
     changed = regenerate(str(tiny_llama_dir), [data], out, max_new_tokens=5)

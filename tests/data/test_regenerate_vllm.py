@@ -40,9 +40,11 @@ def write_records(path: Path, extra: list[dict] = ()) -> Path:
 
 
 def records(out: Path) -> dict[str, dict]:
-    """The finished records of a run by id: answers, new-token and truncation counts (what prepare gets, and more)."""
-    rows = [json.loads(line) for line in (out / "partial.jsonl").read_text(encoding="utf-8").splitlines()]
-    return {r["id"]: {k: r[k] for k in ("messages", "new_tokens", "truncated_turns", "failed")} for r in rows}
+    """The finished records of a run by id: answers, new-token and truncation counts (chats.jsonl, what prepare
+    reads; the journal partial.jsonl of a run that stopped before it)."""
+    done = out / "chats.jsonl" if (out / "chats.jsonl").exists() else out / "partial.jsonl"
+    rows = [json.loads(line) for line in done.read_text(encoding="utf-8").splitlines()]
+    return {r["id"]: {k: r[k] for k in ("messages", "new_tokens", "truncated_turns")} for r in rows}
 
 
 @pytest.fixture(scope="module")

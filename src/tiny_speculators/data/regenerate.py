@@ -20,9 +20,11 @@ Multi-turn records: assistant turn *k* is generated from the conversation up to 
 have produced (the original assistant answers are never shown to the verifier). Records that end
 with a user turn get one more assistant turn; records with no user turn at all are dropped.
 
-Resumable: finished records are appended to ``OUT/partial.jsonl`` with their record id; a rerun
-with the same settings skips them. The final ``OUT/chats.jsonl`` (OpenAI ``messages`` form, input
-order, what ``prepare`` reads) and ``OUT/summary.json`` are written atomically at the end.
+Resumable: while it runs, finished records are appended to ``OUT/partial.jsonl`` with their record id; a
+rerun with the same settings skips them. The final ``OUT/chats.jsonl`` (OpenAI ``messages`` form, input
+order, what ``prepare`` reads; each record with its id, new tokens and truncated turns) and
+``OUT/summary.json`` are written atomically at the end, and the journal is removed: a rerun with the same
+settings (more records, say) reuses the records of ``chats.jsonl``.
 
     tiny-speculators regenerate --verifier smollm2-135m --data prompts.jsonl --out runs/regen \\
         --max-new-tokens 64 --max-records 8
@@ -133,27 +135,47 @@ def _advance(work: _Work) -> bool:
 
 # -------------------------------------------------------------------------------------------- stage
 def _load_partial(out: Path, settings: dict[str, Any], resume: bool) -> dict[str, dict[str, Any]]:
+    """The records already answered with these settings: those of a finished run's ``chats.jsonl`` (its
+    ``summary.json`` records the settings) and those the journal of an interrupted run holds."""
     partial, settings_file = out / PARTIAL_FILE, out / SETTINGS_FILE
+    done: dict[str, dict[str, Any]] = {}
+    if resume and _finished_settings(out) == settings:
+        for line in (out / OUTPUT_FILE).read_text(encoding="utf-8").splitlines():
+            rec = json.loads(line)
+            done[rec["id"]] = {**rec, "failed": None}
+        log.info("resuming: %d records already regenerated in %s", len(done), out / OUTPUT_FILE)
     if resume and partial.is_file() and settings_file.is_file():
         if json.loads(settings_file.read_text(encoding="utf-8")) == settings:
-            done: dict[str, dict[str, Any]] = {}
             raw = partial.read_bytes()
             if raw and not raw.endswith(b"\n"):  # a torn last line from an interrupted run: cut it off
                 with partial.open("r+b") as f:
                     f.truncate(raw.rfind(b"\n") + 1)
+            journal = 0
             with partial.open(encoding="utf-8") as f:
                 for line in f:
                     try:
                         rec = json.loads(line)
                         done[rec["id"]] = rec
+                        journal += 1
                     except (json.JSONDecodeError, KeyError, TypeError):
                         continue
-            log.info("resuming: %d records already regenerated in %s", len(done), partial)
+            log.info("resuming: %d records already regenerated in %s", journal, partial)
             return done
         log.warning("generation settings changed since %s was written: starting over", partial)
     partial.unlink(missing_ok=True)
     write_text_atomic(settings_file, json.dumps(settings, indent=2, sort_keys=True))
-    return {}
+    return done
+
+
+def _finished_settings(out: Path) -> dict[str, Any] | None:
+    """The generation settings of a finished run in ``out`` (its summary.json), or None."""
+    summary = out / "summary.json"
+    if not (summary.is_file() and (out / OUTPUT_FILE).is_file()):
+        return None
+    try:
+        return json.loads(summary.read_text(encoding="utf-8")).get("generation_settings")
+    except (json.JSONDecodeError, AttributeError):
+        return None
 
 
 def _vllm_python(venv: Path | None, out: Path, port: int | None) -> Path | None:
@@ -397,7 +419,10 @@ def regenerate(
         "new_tokens_per_second": round(generated_tokens / gen_seconds, 2) if gen_seconds else None,
         "seconds": round(time.perf_counter() - t0, 3), **{k: v for k, v in settings.items() if k != "verifier"},
     }
+    summary["generation_settings"] = settings  # what a rerun resumes from, with chats.jsonl
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    (out / PARTIAL_FILE).unlink(missing_ok=True)  # the journal is in chats.jsonl now
+    (out / SETTINGS_FILE).unlink(missing_ok=True)
     log.info("regenerate: %d records kept, %d dropped, %d new tokens in %.1f s", kept, sum(dropped.values()),
              generated_tokens, gen_seconds)
     return summary
@@ -443,7 +468,8 @@ def _write_output(out: Path, works: list[_Work], done: dict[str, dict[str, Any]]
         if rec.get("failed"):
             dropped[rec["failed"]] += 1
             continue
-        lines.append(json.dumps({"id": rec["id"], "messages": rec["messages"]}, ensure_ascii=False))
+        lines.append(json.dumps({"id": rec["id"], "messages": rec["messages"], "new_tokens": rec["new_tokens"],
+                                 "truncated_turns": rec["truncated_turns"]}, ensure_ascii=False))
         kept += 1
     if not lines:
         raise UserError("the verifier produced no usable answer for any record")
