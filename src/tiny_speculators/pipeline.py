@@ -41,12 +41,12 @@ import logging
 import shutil
 import time
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from tiny_speculators.atomic import write_json_atomic
 from tiny_speculators.config import bind, load_yaml, stage_params
+from tiny_speculators.data.readers import BUILTIN_PREFIX, builtin_prompts
 from tiny_speculators.errors import UserError
 from tiny_speculators.stages import load_stage
 
@@ -73,7 +73,6 @@ WIRED: dict[str, tuple[str, ...]] = {
 }
 # options that name a built-in set or a file (one with a suffix: resolved and hashed like the Path options)
 NAME_OR_FILE: dict[str, tuple[str, ...]] = {"evaluate": ("prompts",), "benchmark": ("prompts",)}
-BUILTIN_PREFIX = "builtin:"
 
 
 # ------------------------------------------------------------------------------------------ hashing
@@ -142,11 +141,10 @@ def _resolve_data(values: Any, base: Path, where: str) -> list[Path]:
     for item in items:
         item = str(item)
         if item.startswith(BUILTIN_PREFIX):
-            name = item[len(BUILTIN_PREFIX):]
-            resource = resources.files("tiny_speculators") / "resources" / "prompts" / f"{name}.jsonl"
-            if not resource.is_file():
-                raise UserError(f"{where}: there is no built-in prompt set '{name}'")
-            paths.append(Path(str(resource)))
+            try:
+                paths.append(builtin_prompts(item[len(BUILTIN_PREFIX):]))
+            except UserError as e:
+                raise UserError(f"{where}: {e}") from None
         else:
             p = Path(item).expanduser()
             paths.append(p if p.is_absolute() else base / p)

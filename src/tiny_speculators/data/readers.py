@@ -21,6 +21,7 @@ import json
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -183,9 +184,30 @@ def _stage_output(path: Path) -> Path | None:
     return path / name if isinstance(name, str) and (path / name).is_file() else None
 
 
+BUILTIN_PREFIX = "builtin:"
+
+
+def builtin_prompts(name: str) -> Path:
+    """The prompt set shipped with the package that ``builtin:NAME`` names (``builtin:train``)."""
+    folder = resources.files("tiny_speculators") / "resources" / "prompts"
+    resource = folder / f"{name}.jsonl"
+    if not resource.is_file():
+        known = ", ".join(sorted(BUILTIN_PREFIX + Path(str(f)).stem for f in folder.iterdir()
+                                 if str(f).endswith(".jsonl")))
+        raise UserError(f"there is no built-in prompt set '{name}' (known: {known})")
+    return Path(str(resource))
+
+
 def resolve_data(paths: Iterable[str | Path]) -> list[Path]:
-    """The data paths to read: a stage's output folder (``regenerate --out``) stands for the file it wrote."""
-    return [_stage_output(Path(p)) or Path(p) for p in paths]
+    """The data paths to read: ``builtin:NAME`` is a prompt set shipped with the package, and a stage's output
+    folder (``regenerate --out``) stands for the file it wrote."""
+    out = []
+    for p in paths:
+        if str(p).startswith(BUILTIN_PREFIX):
+            out.append(builtin_prompts(str(p)[len(BUILTIN_PREFIX):]))
+        else:
+            out.append(_stage_output(Path(p)) or Path(p))
+    return out
 
 
 def _reader(path: Path):
