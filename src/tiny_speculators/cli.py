@@ -27,7 +27,7 @@ from tiny_speculators.options import unwrap_optional
 from tiny_speculators.pipeline import plan_pipeline
 from tiny_speculators.stages import STAGES, StageNotBuilt, load_stage
 
-__all__ = ["STAGES", "StageNotBuilt", "build_parser", "load_stage", "main"]
+__all__ = ["STAGES", "StageNotBuilt", "build_parser", "load_stage", "main", "parse_command"]
 
 log = logging.getLogger("tiny_speculators")
 
@@ -84,9 +84,24 @@ def _group_sections(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _Version(argparse.Action):
+    """``--version``: this package's version and what it runs with (torch and transformers are imported only here)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import torch
+        import transformers
+
+        from tiny_speculators.serving import vllm_env_version
+
+        print(f"tiny-speculators {__version__}\ntorch {torch.__version__}\ntransformers {transformers.__version__}\n"
+              f"vLLM environment: {vllm_env_version()}")
+        parser.exit()
+
+
 def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tiny-speculators", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version", version=f"tiny-speculators {__version__}")
+    parser.add_argument("--version", action=_Version, nargs=0, default=argparse.SUPPRESS,
+                        help="the versions of this package, torch, transformers and the vLLM environment, then exit")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="stage", metavar="STAGE")
     for name, (_, description) in STAGES.items():
@@ -135,6 +150,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def parse_command(argv: Sequence[str]) -> tuple[Any, list[Any], dict[str, Any]] | None:
+    """The stage function and its arguments for a command line, without running it: ``(func, positional,
+    kwargs)``, or None when no stage is named. Raises ``UserError`` for bad options and ``SystemExit`` for what
+    argparse refuses (an unknown flag, a bad choice), as the command would."""
+    argv = list(argv)
+    stage = _stage_of(argv)
+    parser = build_parser(stage)
+    args = vars(parser.parse_args(argv))
+    if not args.get("stage"):
+        return None
+    args.pop("verbose")
+    args.pop("stage")
+    config_path = args.pop("config", None)
+    func = load_stage(stage)
+    values = _config_values(stage, config_path) if config_path else {}
+    for key, value in _group_sections(args).items():
+        if isinstance(value, dict) and isinstance(values.get(key), dict):
+            values[key] = {**values[key], **value}  # flags override single options of a YAML section
+        else:
+            values[key] = value
+    kwargs = bind(func, values, source=str(config_path) if config_path else "command line")
+    positional = [kwargs.pop(n) for n, (p, _) in stage_params(func).items()
+                  if p.kind is inspect.Parameter.POSITIONAL_ONLY and n in kwargs]
+    return func, positional, kwargs
+
+
 def _run(argv: list[str]) -> int:
     stage = _stage_of(argv)
     try:
@@ -146,21 +187,10 @@ def _run(argv: list[str]) -> int:
     if not args.get("stage"):
         parser.print_help()
         return 2
-    logging.basicConfig(level=logging.DEBUG if args.pop("verbose") else logging.INFO,
+    logging.basicConfig(level=logging.DEBUG if args["verbose"] else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    args.pop("stage")
-    config_path = args.pop("config", None)
     try:
-        func = load_stage(stage)
-        values = _config_values(stage, config_path) if config_path else {}
-        for key, value in _group_sections(args).items():
-            if isinstance(value, dict) and isinstance(values.get(key), dict):
-                values[key] = {**values[key], **value}  # flags override single options of a YAML section
-            else:
-                values[key] = value
-        kwargs = bind(func, values, source=str(config_path) if config_path else "command line")
-        positional = [kwargs.pop(n) for n, (p, _) in stage_params(func).items()
-                      if p.kind is inspect.Parameter.POSITIONAL_ONLY and n in kwargs]
+        func, positional, kwargs = parse_command(argv)
         func(*positional, **kwargs)
     except UserError as e:
         print(f"tiny-speculators {stage}: error: {e}", file=sys.stderr)

