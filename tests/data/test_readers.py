@@ -70,3 +70,12 @@ def test_unknown_and_missing_files(tmp_path):
     (tmp_path / "folder").mkdir()
     with pytest.raises(UserError, match="neither a `datasets` save_to_disk folder nor a stage's output folder"):
         list(read_records([tmp_path / "folder"]))
+
+
+def test_builtin_prompt_sets_resolve_and_an_unknown_one_is_named():
+    from tiny_speculators.data.readers import resolve_data
+
+    (path,) = resolve_data(["builtin:train"])
+    assert path.name == "train.jsonl" and path.is_file()
+    with pytest.raises(UserError, match=r"there is no built-in prompt set 'nope' \(known: builtin:train\)"):
+        resolve_data(["builtin:nope"])
