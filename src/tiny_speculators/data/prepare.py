@@ -107,7 +107,7 @@ def prepare(
         overflow: what to do with sequences longer than max_length: truncate them or drop them.
         last_turn_only: mask only the final assistant turn of each conversation.
         enable_thinking: passed to the chat template (Qwen3: thinking on/off); unset leaves the template default.
-        rewritten_turns: templates that re-render earlier assistant turns (Qwen3 drops old <think> blocks):
+        rewritten_turns: templates that re-render earlier assistant turns (Qwen3 drops old ``<think>`` blocks):
             split such turns into their own samples, or drop the record.
         chat_template: a .jinja file used instead of the tokenizer's own chat template.
         strict: fail on the first bad record instead of skipping it.

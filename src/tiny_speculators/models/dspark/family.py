@@ -40,8 +40,9 @@ class DSparkOptions:
         confidence_head: train the confidence head (verification length at inference).
         confidence_with_markov: feed the confidence head the Markov embedding of the previous token too.
         sample_from_anchor: the anchor slot drafts too (DSpark's layout) instead of DFlash's.
-        ce_weight, tv_weight, confidence_weight: the loss split (CE to the verifier's token, total variation to its
-            distribution, BCE of the confidence to the acceptance probability).
+        ce_weight: the loss's weight of the cross-entropy to the verifier's token.
+        tv_weight: the loss's weight of the total variation to the verifier's distribution.
+        confidence_weight: the loss's weight of the BCE of the confidence to the acceptance probability.
         mask_token_id: token fed at the mask slots; default as DFlash (pad, else eos, else 0).
         causal: causal attention inside the block instead of bidirectional.
     """
