@@ -194,7 +194,7 @@ def _run(argv: list[str]) -> int:
         func(*positional, **kwargs)
     except UserError as e:
         print(f"tiny-speculators {stage}: error: {e}", file=sys.stderr)
-        return 1
+        return getattr(e, "exit_code", 1)  # 1, or what the error says (compare's unmet --require: 3)
     except KeyboardInterrupt:
         print(f"tiny-speculators {stage}: interrupted", file=sys.stderr)
         return 130

@@ -20,6 +20,8 @@ STAGES: dict[str, tuple[str, str]] = {
     "evaluate": ("tiny_speculators.evaluate.stage:evaluate", "real speculative decoding: acceptance, speed-up"),
     "benchmark": ("tiny_speculators.benchmark.stage:benchmark",
                   "GuideLLM against vllm serve with and without the draft: latency, throughput, acceptance"),
+    "compare": ("tiny_speculators.compare.stage:compare",
+                "drafts side by side on the same prompts: τ with paired bootstrap intervals, a verdict"),
     "pipeline": ("tiny_speculators.pipeline:pipeline", "run every stage from one YAML file"),
 }
 

@@ -15,14 +15,15 @@ from rich.table import Table
 __all__ = ["print_summary_table"]
 
 
-def print_summary_table(title: str, rows: Iterable[tuple[str, str]], *, header: tuple[str, str] | None = None,
+def print_summary_table(title: str, rows: Iterable[tuple[str, ...]], *, header: tuple[str, ...] | None = None,
                         justify: Literal["left", "right"] = "left", stderr: bool = True) -> None:
-    """Print ``rows`` (name, value) under ``title``: with a ``header`` row (names of the two columns) or none, the
-    values justified ``justify``; on stderr (next to the logs) unless ``stderr`` is False."""
+    """Print ``rows`` (a name, then one or more values) under ``title``: with a ``header`` row (the columns' names)
+    or none, the values justified ``justify``; on stderr (next to the logs) unless ``stderr`` is False."""
     table = Table(title=title, show_header=header is not None)
     if header is not None:
         table.add_column(header[0])
-        table.add_column(header[1], justify=justify)
-    for name, value in rows:
-        table.add_row(name, value)
+        for name in header[1:]:
+            table.add_column(name, justify=justify)
+    for row in rows:
+        table.add_row(*row)
     Console(stderr=stderr).print(table)
