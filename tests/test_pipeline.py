@@ -17,7 +17,7 @@ from tiny_speculators.pipeline import STAGE_ORDER, pipeline, plan_pipeline, vllm
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "src" / "tiny_speculators" / "resources" / "prompts" / "train.jsonl"
 # every stage but benchmark, which needs the vLLM environment (tests/benchmark runs it)
-CORE = tuple(name for name in STAGE_ORDER if name != "benchmark")
+CORE = tuple(name for name in STAGE_ORDER if name not in ("benchmark", "promote"))
 
 # per-stage options that make any config run in seconds on a tiny verifier
 SHORT: dict[str, dict] = {
@@ -29,6 +29,7 @@ SHORT: dict[str, dict] = {
               "batch_size": 2, "progress": False, "warmup_steps": 0},
     "export": {},
     "evaluate": {"max_new_tokens": 6, "max_prompts": 1, "k": 2},
+    "promote": {"max_new_tokens": 6, "max_prompts": 2, "k": 2, "resamples": 200},
 }
 
 
@@ -268,3 +269,27 @@ def test_extract_backend_is_a_config_option_and_part_of_the_stage_hash(tmp_path)
     assert len(set(hashes.values())) == 3  # the output is meant to be equal, but a run records how it was made
     with pytest.raises(UserError, match="backend"):
         plan_pipeline({**raw, "extract": {"backend": "sglang"}})
+
+
+@pytest.mark.slow
+def test_two_refreshes_promote_the_second_draft_only_when_the_gate_says_so(tiny_config, tmp_path):
+    """A pipeline with a promote section: the first run installs its export as DEPLOY/current; a second run with a
+    changed train stage compares its export with the current one and moves the pointer only on the gate's word; a
+    third, unchanged run skips promote (the deploy folder is where it writes, not an input)."""
+    deploy = tmp_path / "deploy"
+    config = yaml.safe_load(tiny_config.read_text())
+    config["promote"] = {**SHORT["promote"], "deploy": str(deploy), "require": "better"}
+    tiny_config.write_text(yaml.safe_dump(config))
+    first = pipeline(tiny_config)
+    assert first["promotion"]["promoted"] is True and first["promotion"]["reason"] == "there was no current draft"
+    release = (deploy / "current").resolve()
+    _edit(tiny_config, "train", max_steps=3)
+    second = pipeline(tiny_config)
+    assert second["actions"]["promote"] == "ran"
+    verdict = json.loads((tmp_path / "run" / "promote" / "compare" / "summary.json").read_text())
+    promoted = verdict["differences"][0]["better"]
+    assert second["promotion"]["promoted"] is promoted
+    assert ((deploy / "current").resolve() != release) is promoted
+    assert (deploy / "previous").exists() is promoted
+    third = pipeline(tiny_config)
+    assert third["actions"]["promote"] == "skipped"

@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["MANIFEST", "STAGE_ORDER", "PipelinePlan", "pipeline", "plan_pipeline", "vllm_serve_command"]
 
-STAGE_ORDER = ("regenerate", "prepare", "vocab", "extract", "train", "export", "evaluate", "benchmark")
+STAGE_ORDER = ("regenerate", "prepare", "vocab", "extract", "train", "export", "evaluate", "benchmark", "promote")
 MANIFEST = "pipeline.json"
 TOP_LEVEL = ("run_dir", "verifier")
 # options each stage gets from the pipeline (never from its YAML section)
@@ -70,7 +70,10 @@ WIRED: dict[str, tuple[str, ...]] = {
     "export": ("checkpoint", "out"),
     "evaluate": ("verifier", "draft", "out"),
     "benchmark": ("verifier", "draft", "out"),
+    "promote": ("verifier", "draft", "out"),
 }
+# path options that name where a stage writes outside the run (not inputs: not hashed)
+OUTSIDE_OUTPUTS: dict[str, tuple[str, ...]] = {"promote": ("deploy",)}
 # options that name a built-in set or a file (one with a suffix: resolved and hashed like the Path options)
 NAME_OR_FILE: dict[str, tuple[str, ...]] = {"evaluate": ("prompts",), "benchmark": ("prompts",)}
 
@@ -227,6 +230,8 @@ def plan_pipeline(raw: dict[str, Any], source: str = "pipeline config") -> Pipel
         add("evaluate", {"verifier": verifier, "draft": run_dir / "export"}, ["export"], [])
     if "benchmark" in sections:
         add("benchmark", {"verifier": verifier, "draft": run_dir / "export"}, ["export"], [])
+    if "promote" in sections:
+        add("promote", {"verifier": verifier, "draft": run_dir / "export"}, ["export"], [])
     for plan in stages.values():
         _add_external_options(plan, base)
     return PipelinePlan(run_dir=run_dir, verifier=verifier,
@@ -283,7 +288,7 @@ def _add_external_options(plan: StagePlan, base: Path) -> None:
             path = plan.kwargs[key]
             if not path.is_absolute():
                 plan.kwargs[key] = path = base / path
-            if path.exists():
+            if path.exists() and key not in OUTSIDE_OUTPUTS.get(plan.name, ()):
                 plan.external.append(path)
         if key in NAME_OR_FILE.get(plan.name, ()) and str(value) != "builtin" and Path(str(value)).suffix:
             path = Path(str(value)) if Path(str(value)).is_absolute() else base / str(value)
@@ -342,6 +347,7 @@ def pipeline(
     export: dict | None = None,
     evaluate: dict | None = None,
     benchmark: dict | None = None,
+    promote: dict | None = None,
 ) -> dict[str, Any]:
     """Run the stages of a pipeline YAML in order; unchanged finished stages are skipped.
 
@@ -363,10 +369,13 @@ def pipeline(
         evaluate: Options of the evaluate stage.
         benchmark: Options of the benchmark stage (optional section: vllm serve + GuideLLM, needs the vLLM
             environment of scripts/vllm_env.sh).
+        promote: Options of the promote stage (optional section, with `deploy`: install the export as
+            DEPLOY/current when it beats the current draft).
     """
     raw: dict[str, Any] = load_yaml(config) if config is not None else {}
     given = {"run_dir": run_dir, "verifier": verifier, "regenerate": regenerate, "prepare": prepare, "vocab": vocab,
-             "extract": extract, "train": train, "export": export, "evaluate": evaluate, "benchmark": benchmark}
+             "extract": extract, "train": train, "export": export, "evaluate": evaluate, "benchmark": benchmark,
+             "promote": promote}
     raw.update({k: v for k, v in given.items() if v is not None})
     source = str(config) if config is not None else "pipeline options"
     t0 = time.perf_counter()
@@ -412,6 +421,9 @@ def pipeline(
     evaluation = records.get("evaluate", {})
     if evaluation.get("status") == "done" and isinstance(evaluation.get("summary"), dict):
         result.update(_final_numbers(plan, evaluation["summary"], records.get("export", {}).get("summary") or {}))
+    promotion = records.get("promote", {})
+    if "promote" in actions and promotion.get("status") == "done" and isinstance(promotion.get("summary"), dict):
+        result["promotion"] = {k: promotion["summary"].get(k) for k in ("promoted", "reason", "release", "deploy")}
     _save_manifest(plan.run_dir / "summary.json", result)  # same atomic JSON write
     _print_table(result, records)
     return result
@@ -512,3 +524,7 @@ def _print_table(result: dict[str, Any], records: dict[str, Any]) -> None:
         console.print(summary)
         console.print("serve it with vLLM:", style="bold")
         console.print(result["serve"], soft_wrap=True, markup=False, highlight=False)
+    if "promotion" in result:
+        p = result["promotion"]
+        console.print(f"{'promoted to' if p['promoted'] else 'not promoted to'} {p['deploy']}/current: {p['reason']}",
+                      soft_wrap=True, markup=False, highlight=False)

@@ -22,6 +22,8 @@ STAGES: dict[str, tuple[str, str]] = {
                   "GuideLLM against vllm serve with and without the draft: latency, throughput, acceptance"),
     "compare": ("tiny_speculators.compare.stage:compare",
                 "drafts side by side on the same prompts: τ with paired bootstrap intervals, a verdict"),
+    "promote": ("tiny_speculators.compare.promote:promote",
+                "install a draft as DEPLOY/current when it beats the current one (paired bootstrap gate)"),
     "pipeline": ("tiny_speculators.pipeline:pipeline", "run every stage from one YAML file"),
 }
 
