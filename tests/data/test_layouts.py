@@ -91,7 +91,7 @@ def test_tool_layouts_normalise_to_template_tool_calls():
 
 
 @pytest.mark.parametrize("name", ["mixed.jsonl", "sharegpt_tools.json", "openai_tools.jsonl", "chats.csv",
-                                  "specforge.jsonl", "speculators.jsonl"])
+                                  "specforge.jsonl", "speculators.jsonl", "service_logs.jsonl"])
 def test_every_layout_file_prepares_fully_with_qwen3(tmp_path, qwen3_prepare, qwen3_tokenizer_dir, name):
     summary = prepare(str(qwen3_tokenizer_dir), [LAYOUTS / name], tmp_path / "out")
     assert summary["dropped"] == {} and summary["kept"] == summary["records_read"] > 0
@@ -193,3 +193,39 @@ def test_tool_chats_survive_parquet_struct_columns(tmp_path, qwen3_prepare, qwen
     assert a["kept"] == b["kept"] == 2 and b["dropped"] == {}
     rows_a, rows_b = load_prepared(tmp_path / "a").dataset, load_prepared(tmp_path / "b").dataset
     assert rows_a["input_ids"] == rows_b["input_ids"] and rows_a["loss_mask"] == rows_b["loss_mask"]
+
+
+def test_service_logs_read_as_request_then_response():
+    """A served request with its response (a chat completion, a bare message, or the text) is one record: the
+    request's messages, then the answer; the request's tools go to the template."""
+    completion, tool_call, text, plain = list(read_records([LAYOUTS / "service_logs.jsonl"]))
+    assert completion.messages[-1] == {"role": "assistant", "content": "Oslo."}
+    assert [m["role"] for m in completion.messages] == ["system", "user", "assistant"]
+    assert tool_call.tools[0]["function"]["name"] == "get_weather"
+    assert tool_call.messages[-1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert text.messages == [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]
+    assert plain.messages[-1]["content"].startswith("4.")
+    with pytest.raises(RecordError, match="'response' must be a chat completion"):
+        normalize_record({"request": {"messages": []}, "response": 3})
+    with pytest.raises(RecordError, match="'request' must be an OpenAI chat request"):
+        normalize_record({"request": {"prompt": "x"}, "response": "y"})
+
+
+def test_redact_replaces_what_must_not_be_trained_on(tmp_path, qwen3_prepare, qwen3_tokenizer_dir):
+    from tiny_speculators.errors import UserError
+
+    path = LAYOUTS / "service_logs.jsonl"
+    patterns = [r"[\w.+-]+@[\w-]+\.\w+", r"sk-[A-Za-z0-9]{20,}", r"Oslo"]
+    summary = prepare(str(qwen3_tokenizer_dir), [path], tmp_path / "out", redact=patterns)
+    assert summary["redacted"] == 1 + 1 + 3  # the mail, the key, Oslo in the answer, the tool call and its question
+    assert summary["options"]["redact"] == patterns and summary["kept"] == 4
+    from transformers import AutoTokenizer
+
+    text = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir).decode(
+        [int(t) for row in load_prepared(tmp_path / "out").dataset["input_ids"] for t in row])
+    assert "ola@example.com" not in text and "sk-abc" not in text and "Oslo" not in text
+    assert text.count("[REDACTED]") == 5
+    plain = prepare(str(qwen3_tokenizer_dir), [path], tmp_path / "plain")
+    assert plain["redacted"] == 0
+    with pytest.raises(UserError, match=r"--redact '\(' is not a regular expression"):
+        prepare(str(qwen3_tokenizer_dir), [path], tmp_path / "bad", redact=["("])

@@ -15,6 +15,8 @@ Detection is per record, so one file may mix layouts:
   a JSON string or an object) and the legacy ``function_call`` field become
   ``{"type": "function", "function": {"name", "arguments": <object>}[, "id"]}`` -- the shape
   transformers documents for chat templates (Qwen3, Llama-3.1 and Mistral render it);
+* a served request and its response, as services log them: ``{"request": {"messages": [...], "tools": [...]},
+  "response": <a chat completion (its ``choices[0].message``), one message, or the answer's text>}``;
 * ``reasoning_content`` (vLLM, DeepSeek API) or ``reasoning`` on assistant turns is kept as
   ``reasoning_content``; a top-level ``tools`` list (or JSON string) is passed to the template; a
   top-level ``system`` string becomes the first message when the turns hold none.
@@ -197,6 +199,8 @@ def normalize_record(record: Any, field: str | None = None) -> tuple[list[dict[s
         raise RecordError("not UTF-8", "the record contains bytes that are not valid UTF-8")
     keys = (field,) if field else TURN_KEYS
     key = next((k for k in keys if record.get(k) is not None), None)
+    if key is None and not field and record.get("request") is not None and record.get("response") is not None:
+        return normalize_record(_request_response(record))
     if key is None:
         wanted = f"no '{field}' (--field)" if field else "none of " + ", ".join(f"'{k}'" for k in TURN_KEYS)
         raise RecordError("missing field", f"the record has {wanted}")
@@ -208,3 +212,27 @@ def normalize_record(record: Any, field: str | None = None) -> tuple[list[dict[s
     if isinstance(system, str) and system.strip() and not (messages and messages[0]["role"] == "system"):
         messages.insert(0, {"role": "system", "content": system})
     return messages, _tools(record)
+
+
+def _request_response(record: dict[str, Any]) -> dict[str, Any]:
+    """A served request and its response (an OpenAI chat request; a chat completion, one message or the text) as
+    one record: the request's messages, then the response's message; the request's tools."""
+    request = _decode_json(record["request"], "'request'")
+    response = record["response"]
+    if isinstance(response, str) and response.lstrip().startswith("{"):  # a JSON string column; else the text
+        response = _decode_json(response, "'response'")
+    if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
+        raise RecordError("invalid record", "'request' must be an OpenAI chat request with a 'messages' list")
+    message: Any = None
+    if isinstance(response, dict) and isinstance(response.get("choices"), list) and response["choices"]:
+        choice = response["choices"][0]
+        message = choice.get("message") if isinstance(choice, dict) else None
+    elif isinstance(response, dict) and ("content" in response or "tool_calls" in response):
+        message = response
+    elif isinstance(response, str):
+        message = {"role": "assistant", "content": response}
+    if not isinstance(message, dict):
+        raise RecordError("invalid record", "'response' must be a chat completion (choices[0].message), a message "
+                                            "or the answer's text")
+    return {"messages": [*request["messages"], {**message, "role": message.get("role") or "assistant"}],
+            "tools": request.get("tools")}

@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from tiny_speculators.data import tokenizer as tok
 from tiny_speculators.data.chat import ChatRenderer, RecordError
 from tiny_speculators.data.readers import count_records, read_records, resolve_data
+from tiny_speculators.data.redact import Redactor
 from tiny_speculators.data.resume import ChunkStore, input_fingerprint
 from tiny_speculators.errors import UserError
 from tiny_speculators.tables import print_summary_table
@@ -93,6 +94,7 @@ def prepare(
     strict: bool = False,
     chunk_records: int = 1000,
     trust_remote_code: bool = False,
+    redact: list[str] | None = None,
 ) -> dict[str, Any]:
     """Tokenize chats with the verifier's chat template and mask the assistant tokens.
 
@@ -113,10 +115,13 @@ def prepare(
         strict: fail on the first bad record instead of skipping it.
         chunk_records: records per committed chunk; a killed run resumes after the last committed chunk.
         trust_remote_code: allow the tokenizer's custom code from the hub.
+        redact: regular expressions whose matches in any message text (and tool call arguments) are replaced by
+            [REDACTED] before rendering; the count goes into summary.json.
     """
     started = time.perf_counter()
     data = resolve_data(data)  # regenerate's output folder stands for its chats.jsonl
     template_text = _check_arguments(data, max_length, chunk_records, field, chat_template)
+    redactor = Redactor(redact)
 
     tokenizer = tok.load_prepare_tokenizer(verifier, trust_remote_code=trust_remote_code)
     renderer = ChatRenderer(tokenizer, enable_thinking=enable_thinking, chat_template=template_text,
@@ -130,7 +135,7 @@ def prepare(
     _claim_output(out)
     options = {"field": field, "max_length": max_length, "overflow": overflow, "last_turn_only": last_turn_only,
                "enable_thinking": enable_thinking, "rewritten_turns": rewritten_turns,
-               "chat_template": str(chat_template) if chat_template else None}
+               "chat_template": str(chat_template) if chat_template else None, "redact": list(redact or [])}
     template_sha = hashlib.sha256(renderer.chat_template.encode()).hexdigest()
     store = ChunkStore(out.parent / f".{out.name}.partial", {
         "inputs": input_fingerprint(data), "options": options, "strict": strict, "chunk_records": chunk_records,
@@ -138,7 +143,8 @@ def prepare(
     })
     loop_started = time.perf_counter()
     try:
-        resumed = _run(renderer, data, store, vocab_size, field, max_length, overflow, strict, chunk_records)
+        resumed = _run(renderer, data, store, vocab_size, field, max_length, overflow, strict, chunk_records,
+                       redactor)
     except UserError:
         store.remove()  # bad input (--strict) or options: nothing worth resuming
         raise
@@ -221,7 +227,7 @@ class _Chunk:
         self.dropped: Counter[str] = Counter()
         self.samples_dropped: Counter[str] = Counter()
         self.n = {"records_read": 0, "kept": 0, "samples": 0, "tokens": 0, "masked_tokens": 0, "truncated": 0,
-                  "split_records": 0, "boundary_tokens": 0}
+                  "split_records": 0, "boundary_tokens": 0, "redacted": 0}
 
     def stats(self, end: list[int]) -> dict[str, Any]:
         return {**self.n, "dropped": dict(self.dropped), "samples_dropped": dict(self.samples_dropped),
@@ -229,7 +235,7 @@ class _Chunk:
 
 
 def _run(renderer: ChatRenderer, data: list[Path], store: ChunkStore, vocab_size: int, field: str | None,
-         max_length: int | None, overflow: str, strict: bool, chunk_records: int) -> int:
+         max_length: int | None, overflow: str, strict: bool, chunk_records: int, redactor: Redactor) -> int:
     """Render every record not yet committed; returns how many records earlier runs had committed."""
     index, start = store.open()
     resumed = sum(stats["records_read"] for _, stats in store.chunks())
@@ -257,6 +263,9 @@ def _run(renderer: ChatRenderer, data: list[Path], store: ChunkStore, vocab_size
             position = [record.file, 0]
         position[1] += 1
         chunk.n["records_read"] += 1
+        if redactor and record.messages is not None:
+            record.messages, replaced = redactor.apply(record.messages)
+            chunk.n["redacted"] += replaced
         _render(renderer, record, chunk, bad, vocab_size, max_length, overflow)
         if chunk.n["records_read"] == chunk_records:
             store.commit(index, chunk.rows, _features(), chunk.stats(position))
@@ -366,6 +375,7 @@ def _assemble(store: ChunkStore, data: list[Path], tmp: Path, vocab_size: int) -
         "masked_fraction": round(masked / tokens, 4) if tokens else 0.0,
         "distinct_masked_tokens": int((counts > 0).sum()),
         "boundary_tokens": totals["boundary_tokens"],
+        "redacted": totals["redacted"],
     }
 
 
