@@ -24,6 +24,8 @@ STAGES: dict[str, tuple[str, str]] = {
                 "drafts side by side on the same prompts: τ with paired bootstrap intervals, a verdict"),
     "promote": ("tiny_speculators.compare.promote:promote",
                 "install a draft as DEPLOY/current when it beats the current one (paired bootstrap gate)"),
+    "monitor": ("tiny_speculators.benchmark.monitor:monitor",
+                "a running vllm serve's served τ over time against the τ its draft was validated at; alerts"),
     "pipeline": ("tiny_speculators.pipeline:pipeline", "run every stage from one YAML file"),
 }
 

@@ -132,6 +132,7 @@ def test_endpoint_mode_measures_a_running_server(vllm_venv, exported_draft, smol
         code = cli.main(["benchmark", "--endpoint", server.url, "--draft", str(exported_draft), "--out",
                          str(tmp_path / "out"), "--concurrency", "1", "--requests", "2", "--output-tokens", "16"])
         after = urllib.request.urlopen(server.url + "/metrics").read().decode()
+        _monitor_sees_an_induced_drop(server.url, tmp_path)
     assert code == 0
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["mode"] == "endpoint" and results["served_model"] == "mine" and results["k"] == K
@@ -147,6 +148,52 @@ def test_endpoint_mode_measures_a_running_server(vllm_venv, exported_draft, smol
     assert level["draft"]["output_tokens"] == 16 * level["draft"]["requests_successful"]
     drafts = counter(after, "vllm:spec_decode_num_drafts") - counter(before, "vllm:spec_decode_num_drafts")
     assert 0 < spec_counts["drafts"] <= drafts  # the warm-up request drafted too
+
+
+def _chat(url: str, temperature: float, prompts: list[str]) -> None:
+    for prompt in prompts:
+        body = json.dumps({"model": "mine", "messages": [{"role": "user", "content": prompt}], "max_tokens": 32,
+                           "temperature": temperature}).encode()
+        request = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=120).read()
+
+
+def _monitor_sees_an_induced_drop(url: str, tmp_path: Path) -> None:
+    """``monitor`` on the same server: a window of greedy traffic on prompts the test draft was trained on, then the
+    same prompts sampled at temperature 1.5 (the draft proposes the greedy tokens, which sampling at 1.5 rarely
+    picks: served τ drops). Each window's counters are what /metrics counted; the second window, judged against the
+    first's τ less 10%, alerts."""
+    import threading
+
+    from vllm_helpers import TRAIN_PROMPTS
+
+    from tiny_speculators.benchmark.monitor import ServedTauAlert, monitor
+
+    prompts = TRAIN_PROMPTS[:3]
+    windows = []
+    for temperature in (0.0, 1.5):
+        traffic = threading.Thread(target=_chat, args=(url, temperature, prompts))
+        before = urllib.request.urlopen(url + "/metrics").read().decode()
+        traffic.start()
+        expected = windows[0]["served_tau"] if windows else None
+        try:
+            windows.append(monitor(url, tmp_path / f"monitor-{temperature}", expected_tau=expected, tolerance=0.1,
+                                   interval=15, windows=1, min_drafts=5))
+        except ServedTauAlert as alert:
+            windows.append(json.loads((tmp_path / f"monitor-{temperature}" / "summary.json").read_text()))
+            windows[-1]["raised"] = str(alert)
+        outlasted = traffic.is_alive()
+        traffic.join(timeout=120)
+        assert not outlasted, "the requests outlasted the monitor's window"
+        after = urllib.request.urlopen(url + "/metrics").read().decode()
+        for key, name in (("drafts", "vllm:spec_decode_num_drafts"),
+                          ("accepted", "vllm:spec_decode_num_accepted_tokens")):
+            assert windows[-1][key] == counter(after, name) - counter(before, name)
+    good, sampled = windows
+    assert good["alerts"] == 0 and "raised" not in good and good["served_tau"] > 1
+    assert sampled["served_tau"] < 0.9 * good["served_tau"] and sampled["alerts"] == 1
+    assert sampled["raised"].startswith("served τ fell below")
 
 
 def test_rejected_draft_is_one_line(vllm_venv, exported_draft, tmp_path, capsys):

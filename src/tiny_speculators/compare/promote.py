@@ -18,6 +18,7 @@ no-op. Either way ``OUT/summary.json`` says what happened and why, with the numb
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -102,7 +103,9 @@ def promote(
                                                  else f"not {word} than the current draft (margin {margin})")
                         + f": {numbers}")
     if decision["promoted"]:
-        release = _install(draft, deploy, fingerprint)
+        validated = ({"acceptance_length": decision["tau_new"], "k": k, "num_prompts": result["prompts"],
+                      "prompts": prompts, "verifier_id": result["verifier_id"]} if "tau_new" in decision else None)
+        release = _install(draft, deploy, fingerprint, validated)
         decision["release"] = str(release)
         decision["previous"] = str(current.resolve()) if current is not None else None
     log.info("promote: %s %s (%s)", draft, "promoted" if decision["promoted"] else "not promoted", decision["reason"])
@@ -134,13 +137,19 @@ def _fingerprint(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _install(draft: Path, deploy: Path, fingerprint: str) -> Path:
+def _install(draft: Path, deploy: Path, fingerprint: str, validated: dict[str, Any] | None) -> Path:
+    """Copy ``draft`` into a new release (recording the τ it was validated at, when promote measured it) and point
+    ``current`` at it, ``previous`` at the release it replaces."""
     releases = deploy / "releases"
     releases.mkdir(parents=True, exist_ok=True)
     release = releases / f"{time.strftime('%Y%m%dT%H%M%S')}-{fingerprint}"
     partial = releases / f".{release.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     shutil.copytree(draft, partial)
+    if validated is not None:
+        record = partial / "summary.json"
+        summary = json.loads(record.read_text(encoding="utf-8")) if record.is_file() else {}
+        write_json_atomic(record, {**summary, "validated": validated})
     partial.rename(release)
     current = deploy / "current"
     if current.is_symlink():

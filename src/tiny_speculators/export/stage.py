@@ -162,6 +162,9 @@ def export(
         "serve": fmt.serve(name, str(out.resolve()), tokens),
         "vllm_speculative_config": (fmt.vllm_speculative_config(str(out.resolve()), tokens)
                                     if fmt.vllm_speculative_config else None),
+        # the τ it was validated at (what `monitor` compares served τ with)
+        "validated": ({k: evaluation.get(k) for k in ("acceptance_length", "k", "num_prompts", "prompts",
+                                                      "verifier_id")} if evaluation else None),
     }
     write_json_atomic(out / "summary.json", summary)
     log.info("exported %s (%s %s, %d parameters) to %s", source, family.name, fmt.name, num_parameters, out)
