@@ -103,10 +103,15 @@ def test_pipeline_end_to_end_skip_change_and_range(tiny_config, capsys):
     resumed = pipeline(tiny_config, until_stage="train")
     assert resumed["actions"]["train"] == "resumed"
 
-    # a changed input file reruns everything from the first stage that reads it
+    # a changed input file reruns everything from the first stage that reads it; regenerate answers only what it
+    # had not answered with these settings (an incremental refresh)
     data = Path(yaml.safe_load(tiny_config.read_text())["regenerate"]["data"][0])
     data.write_text(data.read_text() + json.dumps({"messages": [{"role": "user", "content": "One more?"}]}) + "\n")
-    assert pipeline(tiny_config, until_stage="prepare")["actions"] == {"regenerate": "ran", "prepare": "ran"}
+    _edit(tiny_config, "regenerate", max_records=7)  # not a generation setting: the answers still apply
+    assert pipeline(tiny_config, until_stage="prepare")["actions"] == {"regenerate": "ran (incremental)",
+                                                                       "prepare": "ran"}
+    regenerated = json.loads((run / "regenerate" / "summary.json").read_text())
+    assert regenerated["resumed_records"] == 6 and regenerated["kept"] == 7 and regenerated["new_tokens"] > 0
 
 
 def test_one_stage_runs_from_the_pipeline_config(tiny_config):
@@ -293,3 +298,44 @@ def test_two_refreshes_promote_the_second_draft_only_when_the_gate_says_so(tiny_
     assert (deploy / "previous").exists() is promoted
     third = pipeline(tiny_config)
     assert third["actions"]["promote"] == "skipped"
+
+
+@pytest.mark.slow
+def test_the_nightly_example_refreshes_twice(tmp_path, tiny_llama_dir, monkeypatch):
+    """examples/nightly/nightly.yaml, cut short, on a tiny verifier: the first refresh installs its draft; a new log
+    file arrives; the second refresh answers only the new records and promotes its draft only on the gate's word."""
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load((ROOT / "examples" / "nightly" / "nightly.yaml").read_text(encoding="utf-8"))
+    short = shorten(config, tiny_llama_dir, tmp_path / "run")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "2026-12-01.jsonl").write_bytes((ROOT / "examples" / "nightly" / "logs" / "2026-12-01.jsonl").read_bytes())
+    short["regenerate"].update(data=[str(logs / "*.jsonl")], backend="transformers")
+    short["promote"]["deploy"] = str(tmp_path / "deploy")
+    path = tmp_path / "nightly.yaml"
+    path.write_text(yaml.safe_dump(short), encoding="utf-8")
+
+    first = pipeline(path)
+    assert first["promotion"]["promoted"] is True
+    regenerated = json.loads((tmp_path / "run" / "regenerate" / "summary.json").read_text())
+    assert regenerated["kept"] == 6  # each record answered greedily and once sampled (extra_answers: 1)
+    prepared = json.loads((tmp_path / "run" / "prepare" / "summary.json").read_text())
+    assert prepared["redacted"] == 2  # the address, in the prompt of both answers
+
+    new = [{"request": {"messages": [{"role": "user", "content": f"Question {i} of the second day?"}]},
+            "response": "An answer."} for i in range(2)]
+    (logs / "2026-12-02.jsonl").write_text("".join(json.dumps(r) + "\n" for r in new))
+    second = pipeline(path)
+    assert second["actions"]["regenerate"] == "ran (incremental)" and second["actions"]["promote"] == "ran"
+    regenerated = json.loads((tmp_path / "run" / "regenerate" / "summary.json").read_text())
+    assert regenerated["resumed_records"] == 6 and regenerated["kept"] == 10
+    verdict = json.loads((tmp_path / "run" / "promote" / "compare" / "summary.json").read_text())
+    assert second["promotion"]["promoted"] is verdict["differences"][0]["better"]
+
+
+def test_the_nightly_script_parses():
+    import subprocess
+
+    script = ROOT / "examples" / "nightly" / "nightly.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    assert "tiny-speculators pipeline --config \"$here/nightly.yaml\"" in script.read_text()

@@ -72,6 +72,9 @@ WIRED: dict[str, tuple[str, ...]] = {
     "benchmark": ("verifier", "draft", "out"),
     "promote": ("verifier", "draft", "out"),
 }
+# stages that reuse, when their inputs change, what their folder holds that still applies (regenerate: answered
+# records, by content and generation settings): their folder is kept, so new data costs only the new records
+REUSES_FINISHED_WORK = ("regenerate",)
 # path options that name where a stage writes outside the run (not inputs: not hashed)
 OUTSIDE_OUTPUTS: dict[str, tuple[str, ...]] = {"promote": ("deploy",)}
 # options that name a built-in set or a file (one with a suffix: resolved and hashed like the Path options)
@@ -139,10 +142,21 @@ class PipelinePlan:
 
 
 def _resolve_data(values: Any, base: Path, where: str) -> list[Path]:
+    """Data paths: ``builtin:NAME``, files and folders (relative to ``base``), and glob patterns (``logs/*.jsonl``,
+    sorted; a pattern that matches nothing is an error), so that new files dropped into a folder are picked up."""
     items = values if isinstance(values, list) else [values]
     paths = []
     for item in items:
         item = str(item)
+        if any(c in item for c in "*?[") and not item.startswith(BUILTIN_PREFIX):
+            pattern = Path(item).expanduser()
+            root, rel = (Path(pattern.anchor), str(pattern.relative_to(pattern.anchor))) if pattern.is_absolute() \
+                else (base, item)
+            matches = sorted(root.glob(rel))
+            if not matches:
+                raise UserError(f"{where}: data pattern {item} matches no file")
+            paths.extend(matches)
+            continue
         if item.startswith(BUILTIN_PREFIX):
             try:
                 paths.append(builtin_prompts(item[len(BUILTIN_PREFIX):]))
@@ -456,6 +470,11 @@ def _run_stage(stage: StagePlan, digest: str, same: bool, forced: bool, later: l
             kwargs["resume"] = True
         log.info("pipeline: %s was interrupted: resuming", name)
         action = "resumed"
+    elif name in REUSES_FINISHED_WORK and stage.out.exists() and not forced:
+        # the stage itself reuses what in its folder is still valid (regenerate: records by content and settings),
+        # so new data files cost only their own records: an incremental refresh
+        log.info("pipeline: %s changed: reusing what its folder holds that still applies", name)
+        action = "ran (incremental)"
     else:
         if stage.out.exists():
             log.info("pipeline: %s %s: starting it again from scratch", name,

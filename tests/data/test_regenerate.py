@@ -257,3 +257,18 @@ def test_vllm_backend_falls_back_in_process_when_its_environment_cannot_be_built
     assert (tmp_path / "out" / "vllm-env.log").is_file()
     with pytest.raises(UserError, match="--endpoint goes with --backend endpoint"):
         regenerate(str(tiny_llama_dir), [data], tmp_path / "x", backend="vllm", endpoint="http://127.0.0.1:1")
+
+
+def test_record_ids_follow_content_so_a_refresh_answers_only_new_records(tmp_path, tiny_llama_dir):
+    """Ids are the file's name, the messages and how many identical records came before in that file, not line
+    numbers: a record inserted above the others, or a new file, costs only its own answer."""
+    data = write_jsonl(tmp_path / "logs.jsonl", [*RECORDS[:2], RECORDS[0]])  # a duplicate keeps its own id
+    out = tmp_path / "out"
+    first = regenerate(str(tiny_llama_dir), [data], out, max_new_tokens=4)
+    ids = [c["id"] for c in read_chats(out)]
+    assert first["kept"] == 3 and len(set(ids)) == 3
+    write_jsonl(data, [{"messages": [{"role": "user", "content": "A new first line."}]}, *RECORDS[:2], RECORDS[0]])
+    more = write_jsonl(tmp_path / "more.jsonl", [RECORDS[3]])
+    second = regenerate(str(tiny_llama_dir), [data, more], out, max_new_tokens=4)
+    assert second["resumed_records"] == 3 and second["kept"] == 5
+    assert [c["id"] for c in read_chats(out)][1:4] == ids

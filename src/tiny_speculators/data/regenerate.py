@@ -41,6 +41,7 @@ import hashlib
 import itertools
 import json
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -74,10 +75,19 @@ class Conversation:
     messages: list[dict[str, str]]
     id: str = ""
 
+    occurrence: int = 0  # how many records before it in its file have the same messages
+
     def __post_init__(self) -> None:
-        if not self.id:
-            blob = json.dumps([Path(self.source).name, self.messages], sort_keys=True, ensure_ascii=False)
+        if not self.id:  # by content, not position: records keep their ids when lines are added to a file
+            blob = json.dumps([_file_name(self.source), self.messages, self.occurrence], sort_keys=True,
+                              ensure_ascii=False)
             self.id = hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def _file_name(source: str) -> str:
+    """The file a record came from, without its line or record number (``chats.jsonl:12`` -> ``chats.jsonl``)."""
+    name = Path(source).name
+    return re.sub(r"(:\d+|#\d+)$", "", name)
 
 
 @dataclass
@@ -101,6 +111,7 @@ def read_conversations(paths: Iterable[Path], strict: bool = False) -> tuple[lis
     """
     convs: list[Conversation] = []
     dropped: Counter = Counter()
+    seen: Counter = Counter()
     for index, record in enumerate(read_records(resolve_data(paths))):
         if record.error is not None:
             if strict:
@@ -109,7 +120,9 @@ def read_conversations(paths: Iterable[Path], strict: bool = False) -> tuple[lis
             log.warning("%s: %s", record.where, record.error)
             continue
         messages = [{"role": m["role"], "content": m["content"]} for m in record.messages or []]
-        convs.append(Conversation(source=record.where, index=index, messages=messages))
+        key = (_file_name(record.where), json.dumps(messages, sort_keys=True))
+        convs.append(Conversation(source=record.where, index=index, messages=messages, occurrence=seen[key]))
+        seen[key] += 1
     return convs, dropped
 
 
