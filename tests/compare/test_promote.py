@@ -10,17 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from tiny_speculators.cli import main
 from tiny_speculators.compare.promote import promote
 from tiny_speculators.errors import UserError
 from tiny_speculators.export.stage import export
-from tiny_speculators.models.checkpoint import save_draft
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evaluate"))
-from eval_helpers import random_draft
+from eval_helpers import save_random_checkpoint
 
 FAST = {"max_prompts": 3, "max_new_tokens": 8, "k": 2, "resamples": 300}
 
@@ -28,15 +25,10 @@ FAST = {"max_prompts": 3, "max_new_tokens": 8, "k": 2, "resamples": 300}
 @pytest.fixture(scope="module")
 def exported(tiny_llama_dir, tmp_path_factory):
     """Two exported random drafts of the tiny verifier (seeds 0 and 1)."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
     root = tmp_path_factory.mktemp("promote-drafts")
     out = []
     for seed in (0, 1):
-        ckpt = root / f"ckpt{seed}"
-        save_draft(ckpt, random_draft(model, draft_vocab=4000, seed=seed), {
-            "aux_layer_ids": [2, 4, 5],
-            "verifier": {"name_or_path": str(tiny_llama_dir), "architectures": ["LlamaForCausalLM"],
-                         "hidden_size": 64, "vocab_size": model.config.vocab_size}})
+        ckpt = save_random_checkpoint(tiny_llama_dir, root / f"ckpt{seed}", seed=seed)
         export(ckpt, out=root / f"export{seed}", verifier_name=str(tiny_llama_dir), speculative_tokens=2)
         out.append(root / f"export{seed}")
     return out

@@ -8,27 +8,18 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from tiny_speculators.cli import main
 from tiny_speculators.compare.stage import compare
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.checkpoint import save_draft
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evaluate"))
-from eval_helpers import random_draft
+from eval_helpers import save_random_checkpoint
 
 
 @pytest.fixture(scope="module")
 def random_checkpoint(tiny_llama_dir, tmp_path_factory):
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
-    path = tmp_path_factory.mktemp("random-draft")
-    save_draft(path, random_draft(model, draft_vocab=4000), {
-        "aux_layer_ids": [2, 4, 5],
-        "verifier": {"name_or_path": str(tiny_llama_dir), "architectures": ["LlamaForCausalLM"],
-                     "hidden_size": 64, "vocab_size": model.config.vocab_size}})
-    return path
+    return save_random_checkpoint(tiny_llama_dir, tmp_path_factory.mktemp("random-draft"))
 
 
 def test_a_draft_against_itself_is_not_better_and_the_gate_exits_3(tiny_llama_dir, random_checkpoint, tmp_path,

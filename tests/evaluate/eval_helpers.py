@@ -28,6 +28,19 @@ def random_draft(model, draft_vocab: int | None = None, seed: int = 0, std: floa
     return draft.eval().requires_grad_(False)
 
 
+def save_random_checkpoint(verifier_dir, path, seed: int = 0):
+    """A random EAGLE-3 draft of the tiny Llama verifier at ``verifier_dir`` (4000-token draft vocabulary, aux layers
+    2, 4, 5), saved as our checkpoint in ``path``."""
+    from tiny_speculators.models.checkpoint import save_draft
+
+    model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32)
+    save_draft(path, random_draft(model, draft_vocab=4000, seed=seed), {
+        "aux_layer_ids": [2, 4, 5],
+        "verifier": {"name_or_path": str(verifier_dir), "architectures": ["LlamaForCausalLM"],
+                     "hidden_size": 64, "vocab_size": model.config.vocab_size}})
+    return path
+
+
 class OracleProposer(Eagle3Proposer):
     """A real draft (real KV-cache bookkeeping) whose logits are replaced by a peak on the reference
     continuation: at draft position t it predicts ``reference[t + 2]``, as a perfect draft would."""

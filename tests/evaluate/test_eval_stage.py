@@ -6,26 +6,17 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from eval_helpers import random_draft
-from transformers import AutoModelForCausalLM
+from eval_helpers import save_random_checkpoint
 
 from tiny_speculators.cli import main
 from tiny_speculators.errors import UserError
 from tiny_speculators.evaluate.prompts import load_prompts
 from tiny_speculators.evaluate.stage import evaluate
-from tiny_speculators.models.checkpoint import save_draft
 
 
 @pytest.fixture(scope="module")
 def random_checkpoint(tiny_llama_dir, tmp_path_factory):
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
-    path = tmp_path_factory.mktemp("random-draft")
-    save_draft(path, random_draft(model, draft_vocab=4000), {
-        "aux_layer_ids": [2, 4, 5],
-        "verifier": {"name_or_path": str(tiny_llama_dir), "architectures": ["LlamaForCausalLM"],
-                     "hidden_size": 64, "vocab_size": model.config.vocab_size}})
-    return path
+    return save_random_checkpoint(tiny_llama_dir, tmp_path_factory.mktemp("random-draft"))
 
 
 def test_cli_writes_results_summary_and_plot(tiny_llama_dir, random_checkpoint, tmp_path):
