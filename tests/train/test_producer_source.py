@@ -98,7 +98,9 @@ def _cli(inputs: ProducerInputs, out: Path, engines: Engines, *extra: str, urls:
 
 def _run(cmd: list[str], timeout: float = 600) -> None:
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # every rank's own error line first (torchrun's tail shows only the last rank's traceback), then the tail
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower() and "Traceback" not in line]
+    assert proc.returncode == 0, "\n".join(errors[:20]) + "\n...\n" + proc.stderr[-3000:]
 
 
 def _deliveries(out: Path) -> list[dict]:

@@ -21,6 +21,7 @@ error. Each delivered sample is logged (``samples_rank*.jsonl``).
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import logging
 import threading
@@ -140,7 +141,8 @@ class ProducerPool:
                 continue
             try:  # a third of the budget per try: a slow producer leaves time to ask others
                 hidden, store_seconds = self._ask(url, ids, min(remaining, self.timeout / ATTEMPTS))
-            except (OSError, RuntimeError, ValueError, KeyError) as e:  # refused, reset, timed out, lost, 5xx
+            except (OSError, http.client.HTTPException, RuntimeError, ValueError, KeyError) as e:
+                # refused, reset, timed out, cut off mid-answer (IncompleteRead, BadStatusLine), lost, 5xx
                 errors.append(f"{url}: {_reason(e)}")
                 log.warning("producer %s failed (%s); asking another", url, _reason(e))
                 failed.append(url)
