@@ -156,16 +156,17 @@ def parse_command(argv: Sequence[str]) -> tuple[Any, list[Any], dict[str, Any]] 
     argparse refuses (an unknown flag, a bad choice), as the command would."""
     argv = list(argv)
     stage = _stage_of(argv)
-    parser = build_parser(stage)
-    args = vars(parser.parse_args(argv))
-    if not args.get("stage"):
-        return None
-    args.pop("verbose")
-    args.pop("stage")
-    config_path = args.pop("config", None)
+    args = vars(build_parser(stage).parse_args(argv))
+    return _bind_stage(stage, args) if args.get("stage") else None
+
+
+def _bind_stage(stage: str, args: dict[str, Any]) -> tuple[Any, list[Any], dict[str, Any]]:
+    """Parsed flags, over the ``--config`` file they name, bound to the stage function's signature."""
+    config_path = args.get("config")
     func = load_stage(stage)
     values = _config_values(stage, config_path) if config_path else {}
-    for key, value in _group_sections(args).items():
+    flags = {k: v for k, v in args.items() if k not in ("verbose", "stage", "config")}
+    for key, value in _group_sections(flags).items():
         if isinstance(value, dict) and isinstance(values.get(key), dict):
             values[key] = {**values[key], **value}  # flags override single options of a YAML section
         else:
@@ -190,11 +191,11 @@ def _run(argv: list[str]) -> int:
     logging.basicConfig(level=logging.DEBUG if args["verbose"] else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
-        func, positional, kwargs = parse_command(argv)
+        func, positional, kwargs = _bind_stage(stage, args)
         func(*positional, **kwargs)
     except UserError as e:
         print(f"tiny-speculators {stage}: error: {e}", file=sys.stderr)
-        return getattr(e, "exit_code", 1)  # 1, or what the error says (compare's unmet --require: 3)
+        return e.exit_code  # 1, or a verdict's own (compare's unmet --require: 3, monitor's alert: 4)
     except KeyboardInterrupt:
         print(f"tiny-speculators {stage}: interrupted", file=sys.stderr)
         return 130

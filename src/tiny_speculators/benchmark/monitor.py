@@ -130,9 +130,9 @@ def _report(row: dict[str, Any]) -> None:
     when = time.strftime("%H:%M:%S", time.localtime(row["end"]))
     tau = "n/a" if row["tau"] is None else f"{row['tau']:.3f}"
     if row["alert"]:
+        validated = "unknown" if row["expected_tau"] is None else f"{row['expected_tau']:.3f}"
         print(f"{when} ALERT: served τ {tau} below {row['threshold']:.3f} over {row['drafts']} verification steps "
-              f"(validated τ {row['expected_tau'] if row['expected_tau'] is None else round(row['expected_tau'], 3)})",
-              flush=True)
+              f"(validated τ {validated})", flush=True)
     elif not row["judged"]:
         print(f"{when} served τ {tau} over {row['drafts']} verification steps: too little traffic to judge", flush=True)
     else:
