@@ -59,6 +59,7 @@ def test_first_same_and_gated_promotions(exported, tiny_llama_dir, tmp_path):
     assert (current / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     assert (deploy / "previous" / "model.safetensors").read_bytes() == (a / "model.safetensors").read_bytes()
     assert len([p for p in (deploy / "releases").iterdir()]) == 2
+    assert replaced["previous"] == str((deploy / "previous").resolve()) != replaced["release"]
     assert replaced["tau_new"] == pytest.approx(replaced["difference"]["tau_difference"] + replaced["tau_current"])
     # the release records the τ it was validated at, which `monitor --draft DEPLOY/current` compares served τ with
     validated = json.loads((current / "summary.json").read_text())["validated"]

@@ -105,9 +105,8 @@ def promote(
     if decision["promoted"]:
         validated = ({"acceptance_length": decision["tau_new"], "k": k, "num_prompts": result["prompts"],
                       "prompts": prompts, "verifier_id": result["verifier_id"]} if "tau_new" in decision else None)
-        release = _install(draft, deploy, fingerprint, validated)
-        decision["release"] = str(release)
-        decision["previous"] = str(current.resolve()) if current is not None else None
+        decision["previous"] = str(current.resolve()) if current is not None else None  # before the swap
+        decision["release"] = str(_install(draft, deploy, fingerprint, validated))
     log.info("promote: %s %s (%s)", draft, "promoted" if decision["promoted"] else "not promoted", decision["reason"])
     write_json_atomic(out / "summary.json", decision)
     return decision
