@@ -29,19 +29,19 @@ def test_a_draft_against_itself_is_not_better_and_the_gate_exits_3(tiny_llama_di
             "--out", str(out), "--max-prompts", "3", "--max-new-tokens", "8", "--k", "2", "--resamples", "500"]
     assert main(args) == 0  # no --require: the numbers only
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["prompts"] == 3 and summary["passed"] is None and summary["names"] == ["0:random-draft0",
-                                                                                          "1:random-draft0"]
+    name = random_checkpoint.name  # random-draftN: N counts the worker's earlier folders of that name
+    assert summary["prompts"] == 3 and summary["passed"] is None and summary["names"] == [f"0:{name}", f"1:{name}"]
     (diff,) = summary["differences"]
     assert diff["tau_difference"] == 0 and diff["interval"] == [0.0, 0.0] and not diff["better"]
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
-    assert sorted(p.name for p in (out / "drafts").iterdir()) == ["0-random-draft0", "1-random-draft0"]
+    assert sorted(p.name for p in (out / "drafts").iterdir()) == [f"0-{name}", f"1-{name}"]
     # the evaluations just written are read back, not rerun; the gate decides the exit code
     evaluated = sorted((out / "drafts").iterdir())
     capsys.readouterr()
     gate = ["compare", "--drafts", *map(str, evaluated), "--out", str(tmp_path / "gate"), "--resamples", "500"]
     assert main([*gate, "--require", "better"]) == 3
     err = capsys.readouterr().err.strip()
-    assert err.startswith("tiny-speculators compare: error: 1-random-draft0 not better than 0-random-draft0 at 95%")
+    assert err.startswith(f"tiny-speculators compare: error: 1-{name} not better than 0-{name} at 95%")
     assert "\n" not in err and (tmp_path / "gate" / "compare.json").is_file()  # the numbers are written
     assert main([*gate, "--require", "not-worse", "--margin", "0.01"]) == 0
 
