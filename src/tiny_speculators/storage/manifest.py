@@ -25,8 +25,8 @@ from typing import Any
 from tiny_speculators import atomic
 from tiny_speculators.errors import UserError
 
-__all__ = ["MANIFEST", "PLAN", "done_shards", "init_plan", "load_manifest", "merge_manifest", "record_shard",
-           "shard_name", "write_json_atomic"]
+__all__ = ["MANIFEST", "PLAN", "done_shards", "init_plan", "load_manifest", "merge_manifest", "read_json",
+           "record_shard", "shard_name", "write_json_atomic"]
 
 FORMAT = "tiny-speculators/hidden-states"
 FORMAT_VERSION = 1
@@ -51,7 +51,7 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -63,7 +63,7 @@ def init_plan(out: Path, settings: dict[str, Any], shards: list[dict[str, int]])
     plan = {"format": FORMAT, "format_version": FORMAT_VERSION, "settings": settings, "shards": shards}
     path = out / PLAN
     if path.exists():
-        old = _read_json(path)
+        old = read_json(path)
         old_settings = old.get("settings", {})
         diff = sorted(k for k in {*settings, *old_settings} if settings.get(k) != old_settings.get(k))
         if diff:
@@ -84,7 +84,7 @@ def _part_path(out: Path, rank: int) -> Path:
 
 def read_part(out: Path, rank: int) -> dict[str, Any]:
     path = _part_path(out, rank)
-    return _read_json(path) if path.exists() else {"rank": rank, "shards": {}}
+    return read_json(path) if path.exists() else {"rank": rank, "shards": {}}
 
 
 def record_shard(out: Path, rank: int, entry: dict[str, Any]) -> None:
@@ -99,7 +99,7 @@ def done_shards(out: Path) -> dict[int, dict[str, Any]]:
     done: dict[int, dict[str, Any]] = {}
     parts_dir = out / PARTS
     for path in sorted(parts_dir.glob("rank-*.json")) if parts_dir.is_dir() else []:
-        for key, entry in _read_json(path).get("shards", {}).items():
+        for key, entry in read_json(path).get("shards", {}).items():
             index = int(key)
             if index in done and done[index]["sha256"] != entry["sha256"]:
                 raise UserError(f"{out}: shard {index} is recorded twice with different checksums "
@@ -119,7 +119,7 @@ def _merged(out: Path, plan: dict[str, Any], done: dict[int, dict[str, Any]]) ->
 
 def merge_manifest(out: Path) -> dict[str, Any] | None:
     """Write ``manifest.json`` if every planned shard is done; return it (None while shards are missing)."""
-    plan = _read_json(out / PLAN)
+    plan = read_json(out / PLAN)
     done = done_shards(out)
     if len(done) < len(plan["shards"]):
         return None
@@ -134,10 +134,10 @@ def load_manifest(out: Path) -> dict[str, Any]:
     if not out.is_dir():
         raise UserError(f"hidden-state folder {out} does not exist")
     if (out / MANIFEST).exists():
-        return _read_json(out / MANIFEST)
+        return read_json(out / MANIFEST)
     if not (out / PLAN).exists():
         raise UserError(f"{out} is not an extraction folder (no {MANIFEST} or {PLAN})")
-    plan = _read_json(out / PLAN)
+    plan = read_json(out / PLAN)
     done = done_shards(out)
     missing = [i for i in range(len(plan["shards"])) if i not in done]
     if missing:

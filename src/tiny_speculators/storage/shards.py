@@ -23,9 +23,13 @@ from tiny_speculators.errors import UserError
 from tiny_speculators.storage.layout import STORE_DTYPES, Layout, quantize_fp8
 from tiny_speculators.storage.manifest import record_shard, shard_name, write_bytes_atomic
 
-__all__ = ["ShardWriter", "encode_shard", "open_shard", "sha256_file"]
+__all__ = ["REUSED", "ShardWriter", "encode_shard", "open_shard", "sha256_file"]
 
 log = logging.getLogger(__name__)
+
+# a sample's marker: copied from an earlier extraction's shard (``extract --reuse``), its fp8 states (``aux`` with
+# ``aux_scales``) as they were stored; its shard's entry lists it under this name
+REUSED = "reused"
 
 
 def sha256_file(path: Path) -> str:
@@ -38,22 +42,26 @@ def sha256_file(path: Path) -> str:
 
 
 def encode_shard(layout: Layout, n_aux: int, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Pack samples (each: input_ids, loss_mask, aux, and last or topk_ids/topk_logits/logsumexp) into tensors."""
+    """Pack samples (each: input_ids, loss_mask, aux, and last or topk_ids/topk_logits/logsumexp) into tensors; an
+    fp8 layout's sample that carries ``aux_scales`` holds its ``aux`` quantized already (one scale per token and
+    layer, so quantizing sample by sample equals quantizing the shard)."""
     lengths = torch.tensor([0] + [len(s["input_ids"]) for s in samples], dtype=torch.int64)
     tensors = {
         "input_ids": torch.cat([s["input_ids"] for s in samples]).to(torch.int32),  # (N,)
         "loss_mask": torch.cat([s["loss_mask"] for s in samples]).to(torch.uint8),  # (N,)
         "sample_offsets": torch.cumsum(lengths, 0),  # (n+1,)
     }
-    aux = torch.cat([s["aux"] for s in samples])  # (N, n_aux*H)
     if layout.aux_fp8:
-        tensors["aux_hidden_states"], tensors["aux_scales"] = quantize_fp8(aux, n_aux)
+        quantized = [(s["aux"], s["aux_scales"]) if "aux_scales" in s else quantize_fp8(s["aux"], n_aux)
+                     for s in samples]
+        tensors["aux_hidden_states"] = torch.cat([q for q, _ in quantized])  # (N, n_aux*H) float8
+        tensors["aux_scales"] = torch.cat([scale for _, scale in quantized])  # (N, n_aux)
     else:
-        tensors["aux_hidden_states"] = aux
+        tensors["aux_hidden_states"] = torch.cat([s["aux"] for s in samples])  # (N, n_aux*H)
     if layout.uses_topk:
-        tensors["target_topk_ids"] = torch.cat([s["topk_ids"] for s in samples]).to(torch.int32)  # (N, k)
-        tensors["target_topk_logits"] = torch.cat([s["topk_logits"] for s in samples]).float()  # (N, k)
-        tensors["target_logsumexp"] = torch.cat([s["logsumexp"] for s in samples]).float()  # (N,)
+        tensors["target_topk_ids"] = torch.cat([s["topk_ids"].to(torch.int32) for s in samples])  # (N, k)
+        tensors["target_topk_logits"] = torch.cat([s["topk_logits"].float() for s in samples])  # (N, k)
+        tensors["target_logsumexp"] = torch.cat([s["logsumexp"].float() for s in samples])  # (N,)
     else:
         tensors["last_hidden_state"] = torch.cat([s["last"] for s in samples])  # (N, H)
     return {k: v.contiguous() for k, v in tensors.items()}
@@ -98,6 +106,9 @@ class ShardWriter:
         entry = {"index": index, "file": name, "start": start, "end": end,
                  "tokens": int(tensors["input_ids"].numel()), "bytes": len(data),
                  "sha256": hashlib.sha256(data).hexdigest(), "rank": self.rank}
+        reused = [j for j, s in enumerate(samples) if s.get(REUSED)]
+        if reused:  # positions within the shard taken over from an earlier extraction (train --replay reads them)
+            entry[REUSED] = reused
         record_shard(self.out, self.rank, entry)
         self.entries.append(entry)
         log.debug("wrote %s (%d samples, %d tokens, %.1f MB)", name, end - start, entry["tokens"], len(data) / 1e6)

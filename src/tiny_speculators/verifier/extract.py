@@ -44,6 +44,7 @@ from tiny_speculators.verifier.guard import GUARD_POSITIONS, GUARD_TOKENS, Guard
 from tiny_speculators.verifier.head import TargetHead, load_verifier_head
 from tiny_speculators.verifier.load import load_tokenizer, load_verifier, parse_dtype, verifier_id
 from tiny_speculators.verifier.modules import VerifierParts, find_parts
+from tiny_speculators.verifier.reuse import ReuseIndex
 from tiny_speculators.verifier.vllm_extract import LOG_NAME, VllmHiddenStates, verifier_skeleton, vllm_extract_python
 
 __all__ = ["Source", "extract", "load_prepared_dir", "make_sample", "plan_shards", "token_batches"]
@@ -263,6 +264,7 @@ def extract(
     enforce_eager: bool = True,
     trust_remote_code: bool = False,
     guard_agreement: float | None = None,
+    reuse: Path | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Store the verifier's aux and last hidden states for every prepared sequence.
@@ -323,6 +325,9 @@ def extract(
         raise UserError(f"prepared dataset {data} has no records")
     plan = plan_shards(lengths, max(1, int(shard_mb * 2**20 / per_token)))
     settings = _settings(verifier, model, parts, aux_ids, dtype, store, dataset, lengths, backend)
+    if reuse is not None and Path(reuse).resolve() == out.resolve():
+        raise UserError(f"--reuse {reuse} is the --out folder: reuse an earlier extraction's folder")
+    index = ReuseIndex.open(Path(reuse), settings) if reuse is not None else None
     out.mkdir(parents=True, exist_ok=True)
     init_plan(out, settings, plan)
     mine = _shards_of_rank(out, plan, rank_, world)
@@ -340,12 +345,16 @@ def extract(
     head = (load_verifier_head(verifier, parse_dtype(dtype), trust_remote_code).target_head.to(device)
             if backend == "vllm" else TargetHead(parts.norm, parts.lm_head))
     guard = Guard(aux_ids, hidden, head, default_agreement(dtype) if guard_agreement is None else guard_agreement)
+    to_compute = mine if index is None else [k for k in mine if not index.covers(dataset[plan[k]["start"]:plan[k][
+        "end"]]["input_ids"])]
     with contextlib.ExitStack() as stack:  # holds the vLLM worker, if any
-        if backend == "vllm" and mine:
+        if backend == "vllm" and to_compute:
             run = _vllm_source(stack, vllm_py, source, head, aux_ids, parts, store, dtype, device, out, rank_,
                                max(lengths) + 1, max_tokens_per_batch, enforce_eager, trust_remote_code)
         else:
             run = _hf_source(model, parts, aux_ids, store, device, max_tokens_per_batch, store_dtype)
+        if index is not None:
+            run = index.wrap(run)
         written, seconds = _write_shards(ShardWriter(out, rank_, store, n_aux), run, shard_records, plan, mine,
                                          rank_, progress, guard)
     manifest = merge_manifest(out)
@@ -354,6 +363,7 @@ def extract(
         "shards_written": len(written), "shards_total": len(plan), "complete": manifest is not None,
         "layout": store.name, "dtype": dtype, "device": device, "backend": backend, "aux_layer_ids": aux_ids,
         "data": str(data), "guard_positions": guard.checked, "guard_agreed": guard.agreed,
+        **({"reuse": str(reuse), "reused_samples": index.reused if index else 0} if reuse is not None else {}),
     }
     _write_summary(out, summary, manifest, rank_, world)
     _report(summary, f"extract -> {out}")

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tiny_speculators.errors import UserError
+from tiny_speculators.storage.shards import REUSED
 
 __all__ = ["DEFAULT_AGREEMENT", "GUARD_POSITIONS", "GUARD_TOKENS", "Guard", "default_agreement"]
 
@@ -61,6 +62,8 @@ class Guard:
         checked = agreed = 0
         first_miss: tuple[int, int, int, int] | None = None  # sample, position, predicted, verifier's
         for j, sample in enumerate(samples):
+            if sample.get(REUSED):  # taken over from an earlier extraction, whose guard checked it
+                continue
             self._check_aux(shard, first_sample + j, sample["aux"])
             if GUARD_POSITIONS not in sample or self.min_agreement <= 0:
                 continue
