@@ -61,6 +61,21 @@ def split_train_val(n: int, eval_fraction: float, seed: int,
     return train, sorted(val)
 
 
+def replay_sample(train: Sequence[int], reused: set[int], fraction: float,
+                  seed: int) -> tuple[list[int], dict[str, int]]:
+    """The training samples of a refresh: every one not in ``reused`` (computed anew), plus a seeded draw of
+    ``round(fraction x their number)`` of those that are, in ``train``'s order; and the counts of each."""
+    new = [i for i in train if i not in reused]
+    old = [i for i in train if i in reused]
+    g = torch.Generator().manual_seed(seed + 1)  # not the split's own stream
+    drawn = {old[k] for k in torch.randperm(len(old), generator=g)[: round(fraction * len(old))].tolist()}
+    kept = [i for i in train if i not in reused or i in drawn]
+    if not kept:
+        raise UserError(f"--replay {fraction}: nothing to train on (no new samples and none of the {len(old)} "
+                        "taken-over ones drawn)")
+    return kept, {"new": len(new), "replayed": len(drawn), "reused": len(old)}
+
+
 def prompt_keys(columns: Iterable[tuple[Sequence[int], Sequence[int]]]) -> list[bytes]:
     """:func:`prompt_key` of every ``(input_ids, loss_mask)`` pair, e.g. a reader's ``token_columns()``."""
     return [prompt_key(ids, mask) for ids, mask in columns]

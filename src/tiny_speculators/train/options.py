@@ -47,7 +47,7 @@ class TrainOptions:
                    "aux_noise_std", "loss_positions", "freeze")
 
     # what a checkpoint records and a resume compares (the data order depends on these)
-    ORDER_KEYS = ("batch_size", "batch_tokens", "pack", "grad_accum", "seed")
+    ORDER_KEYS = ("batch_size", "batch_tokens", "pack", "grad_accum", "seed", "replay")
 
     @property
     def mode(self) -> str:

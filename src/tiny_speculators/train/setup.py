@@ -221,7 +221,7 @@ def _initial_draft(opts: TrainOptions, family: DraftFamily, head, aux: list[int]
     if dcfg.get("aux_layer_ids") not in (None, aux):
         raise UserError(f"--init-from {opts.init_from} was trained on aux layers {dcfg['aux_layer_ids']}, "
                         f"this run uses {aux}")
-    if hasattr(draft, "d2t") and not torch.equal(draft.d2t.cpu(), d2t.long()):
+    if hasattr(draft, "d2t") and d2t is not None and not torch.equal(draft.d2t.cpu(), d2t.long()):
         raise UserError(f"--init-from {opts.init_from} has a different draft vocabulary than "
                         f"{opts.vocab or 'the verifier'}")
     _check_options(draft, family, opts.family, opts.init_from)
@@ -262,7 +262,9 @@ def freeze_parameters(draft: nn.Module, names: list[str]) -> None:
 def build_run(info: D.DistInfo, opts: TrainOptions, family: DraftFamily, engines: contextlib.ExitStack) -> Run:
     """``engines`` owns what the run starts (vLLM producers, a Mooncake master): closing it stops them."""
     source, head, aux = _source_and_head(opts, family, info, engines)
-    if opts.vocab is None:  # the family drafts over the verifier's whole vocabulary (uses_verifier_vocab)
+    if opts.vocab is None and opts.init_from is not None and not family.uses_verifier_vocab:
+        d2t = t2d = None  # the draft continued keeps its own vocabulary
+    elif opts.vocab is None:  # the family drafts over the verifier's whole vocabulary (uses_verifier_vocab)
         size = int(text_config(head.config).vocab_size)
         d2t, t2d = torch.zeros(size, dtype=torch.long), torch.ones(size, dtype=torch.bool)
     else:

@@ -67,6 +67,10 @@ class OfflineSource:
         side)."""
         return prompt_keys(self.reader.token_columns())
 
+    def reused_samples(self) -> set[int]:
+        """The samples ``extract --reuse`` took over from an earlier extraction (its shard entries list them)."""
+        return {int(s["start"]) + j for s in self.manifest["shards"] for j in s.get("reused", [])}
+
     def batch(self, indices: list[int], device: torch.device, pack: bool) -> dict[str, Any]:
         keys = ("input_ids", "loss_mask", "aux_hidden_states", *self.target_keys)
         samples = [{k: s[k] for k in keys} for s in (self.reader[i] for i in indices)]

@@ -39,7 +39,7 @@ from tiny_speculators.serving import sigterm_as_exit
 from tiny_speculators.tables import print_summary_table
 from tiny_speculators.train import checkpoint as C
 from tiny_speculators.train import distributed as D
-from tiny_speculators.train.data import plan_epoch, split_train_val
+from tiny_speculators.train.data import plan_epoch, replay_sample, split_train_val
 from tiny_speculators.train.loop import TrainState, train_loop
 from tiny_speculators.train.metrics import MetricsLogger, plot_metrics
 
@@ -100,6 +100,7 @@ def train(
     aux_noise_std: float = 0.0,
     loss_positions: Literal["answer", "all"] = "answer",
     freeze: list[str] | None = None,
+    replay: float | None = None,
     **family_options: Any,
 ) -> dict[str, Any]:
     """Train a draft (of the default family unless --algorithm says otherwise) against a frozen verifier.
@@ -108,7 +109,7 @@ def train(
         verifier: HF id, local folder, or an embedded name (smollm2-135m); the model the draft speculates for.
         out: output folder: step_XXXXXX/ checkpoints, best/, final/, metrics.jsonl, tb/, training.png, summary.json.
         vocab: vocab output folder (vocab.safetensors with d2t / t2d); not used (and not needed) by families that
-            predict over the verifier's whole vocabulary.
+            predict over the verifier's whole vocabulary; left out with --init-from, the draft keeps its own.
         hidden_states: extract output folder (offline training).
         data: prepare output folder (online training; needs --online).
         online: run the verifier in this process to produce hidden states on the fly (no disk).
@@ -146,9 +147,9 @@ def train(
         fsdp: shard the draft with FSDP2 (fully_shard) instead of DDP (needs torchrun).
         device: auto (cuda if available), cpu, or cuda.
         init_from: start from this draft: one of our checkpoints (or a train output folder), or a published
-            draft in vLLM speculators or SGLang format; its vocabulary must equal --vocab, and it keeps its own
-            shape and weights (a shape option of the family set to another value than the draft's, or an option
-            that initializes a fresh draft, is an error).
+            draft in vLLM speculators or SGLang format; its vocabulary must equal --vocab (or leave --vocab out:
+            it keeps its own), and it keeps its own shape and weights (a shape option of the family set to another
+            value than the draft's, or an option that initializes a fresh draft, is an error).
         init_lm_head: initialize lm_head from the verifier's lm_head rows of the draft vocabulary.
         aux_layer_ids: verifier layers the draft reads (default: the family's own);
             offline, any subset of the stored layers (default: all of them), so one extraction serves several
@@ -177,6 +178,10 @@ def train(
         freeze: draft parameters kept at their initial values (no gradient, not in the optimizer), by name or name
             prefix, e.g. lm_head (the verifier's own rows when init_lm_head) or layers.0.mlp (the verifier's layer
             with the family's verifier init): fewer weights to fit the same data.
+        replay: a refresh from an extraction made with `extract --reuse` (and a draft to continue, --init-from):
+            train on the samples it computed anew plus this fraction (0-1) of those it took over from the earlier
+            extraction, a seeded draw (so the draft keeps what it learnt without paying for all of it again);
+            default: every sample. Offline only.
     """
     arguments = dict(locals())  # the signature's values: read first, before any other name is bound here
     del arguments["family_options"]
@@ -221,8 +226,9 @@ def _checked(opts: TrainOptions) -> TrainOptions:
     """``opts`` once every option agrees with the others (one-line errors naming them); a ``--vocab`` the family
     does not use is dropped."""
     family = get_family(opts.algorithm)
-    if opts.vocab is None and not family.uses_verifier_vocab:
-        raise UserError(f"--vocab is required for {opts.algorithm} (the vocab stage's output folder)")
+    if opts.vocab is None and not family.uses_verifier_vocab and opts.init_from is None:
+        raise UserError(f"--vocab is required for {opts.algorithm} (the vocab stage's output folder; with "
+                        "--init-from the draft's own vocabulary is kept)")
     if opts.vocab is not None and family.uses_verifier_vocab:
         log.info("%s drafts over the verifier's whole vocabulary: --vocab %s is not used", opts.algorithm, opts.vocab)
         opts = dataclasses.replace(opts, vocab=None)
@@ -244,6 +250,10 @@ def _check_sources(opts: TrainOptions) -> None:
         raise UserError("--producer vllm is a way of online training: add --online --data PREPARED_DIR")
     if opts.producer != "vllm" and (opts.producer_urls or opts.mooncake_master):
         raise UserError("--producer-urls / --mooncake-master are for --producer vllm")
+    if opts.replay is not None and opts.online:
+        raise UserError("--replay picks among the samples an `extract --reuse` took over: it is for offline training")
+    if opts.replay is not None and not 0.0 <= opts.replay <= 1.0:
+        raise UserError(f"replay must be a fraction in [0, 1], got {opts.replay}")
 
 
 def _check_numbers(opts: TrainOptions) -> None:
@@ -300,6 +310,11 @@ def _train_with(info: D.DistInfo, opts: TrainOptions, resume_from: Path | None, 
     # answers to one prompt (and turns of one conversation) stay on one side: a validation sample's prompt unseen
     train_idx, val_idx = split_train_val(len(run.source), opts.eval_fraction, opts.seed,
                                          groups=run.source.prompt_keys() if opts.eval_fraction else None)
+    replayed = None
+    if opts.replay is not None:
+        train_idx, replayed = replay_sample(train_idx, run.source.reused_samples(), opts.replay, opts.seed)
+        log.info("replay %.2f: %d new samples + %d of the %d taken over from the earlier extraction", opts.replay,
+                 replayed["new"], replayed["replayed"], replayed["reused"])
     state = TrainState()
     if resume_from is not None:
         state = run.load_checkpoint(resume_from)
@@ -328,7 +343,8 @@ def _train_with(info: D.DistInfo, opts: TrainOptions, resume_from: Path | None, 
         "best_val_accept_len": state.best_accept, "final_train": result["train"], "final_val": result["val"],
         "family_options": run.draft_meta["trained_with"], "recipe": opts.recipe(),
         "draft_parameters": run.trainable_parameters,
-        "out": str(out),
+        "out": str(out), "init_from": None if opts.init_from is None else str(opts.init_from),
+        **({"replay": replayed} if replayed is not None else {}),
     }
     if info.is_main:
         plot_metrics(out)
