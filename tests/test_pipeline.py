@@ -302,8 +302,10 @@ def test_two_refreshes_promote_the_second_draft_only_when_the_gate_says_so(tiny_
 
 @pytest.mark.slow
 def test_the_nightly_example_refreshes_twice(tmp_path, tiny_llama_dir, monkeypatch):
-    """examples/nightly/nightly.yaml, cut short, on a tiny verifier: the first refresh installs its draft; a new log
-    file arrives; the second refresh answers only the new records and promotes its draft only on the gate's word."""
+    """examples/nightly/nightly.yaml, cut short, on a tiny verifier: the first refresh trains a fresh draft and
+    installs it; a new log file arrives; the second refresh answers and extracts only the new records, continues the
+    installed draft on them plus a replay draw of the earlier ones, and promotes only on the gate's word; a third
+    run without new data does nothing."""
     monkeypatch.chdir(tmp_path)
     config = yaml.safe_load((ROOT / "examples" / "nightly" / "nightly.yaml").read_text(encoding="utf-8"))
     short = shorten(config, tiny_llama_dir, tmp_path / "run")
@@ -311,12 +313,16 @@ def test_the_nightly_example_refreshes_twice(tmp_path, tiny_llama_dir, monkeypat
     logs.mkdir()
     (logs / "2026-12-01.jsonl").write_bytes((ROOT / "examples" / "nightly" / "logs" / "2026-12-01.jsonl").read_bytes())
     short["regenerate"].update(data=[str(logs / "*.jsonl")], backend="transformers")
-    short["promote"]["deploy"] = str(tmp_path / "deploy")
+    assert short["promote"]["deploy"] == "deploy/smollm2"  # relative to tmp_path, where it runs
     path = tmp_path / "nightly.yaml"
     path.write_text(yaml.safe_dump(short), encoding="utf-8")
 
     first = pipeline(path)
     assert first["promotion"]["promoted"] is True
+    trained = json.loads((tmp_path / "run" / "train" / "summary.json").read_text())
+    assert trained["init_from"] is None and trained["replay"] == {"new": trained["replay"]["new"], "replayed": 0,
+                                                                  "reused": 0}
+    installed = (tmp_path / "deploy" / "smollm2" / "current").resolve()
     regenerated = json.loads((tmp_path / "run" / "regenerate" / "summary.json").read_text())
     assert regenerated["kept"] == 6  # each record answered greedily and once sampled (extra_answers: 1)
     prepared = json.loads((tmp_path / "run" / "prepare" / "summary.json").read_text())
@@ -329,8 +335,17 @@ def test_the_nightly_example_refreshes_twice(tmp_path, tiny_llama_dir, monkeypat
     assert second["actions"]["regenerate"] == "ran (incremental)" and second["actions"]["promote"] == "ran"
     regenerated = json.loads((tmp_path / "run" / "regenerate" / "summary.json").read_text())
     assert regenerated["resumed_records"] == 6 and regenerated["kept"] == 10
+    assert second["actions"]["extract"] == "ran (incremental)" and not (tmp_path / "run" / "extract.previous").exists()
+    extracted = json.loads((tmp_path / "run" / "extract" / "summary.json").read_text())
+    assert extracted["reused_samples"] == 6 and extracted["samples"] == 10
+    trained = json.loads((tmp_path / "run" / "train" / "summary.json").read_text())
+    assert Path(trained["init_from"]).resolve() == installed
+    replay = trained["replay"]
+    assert replay["new"] >= 1 and replay["replayed"] == round(0.5 * replay["reused"]) and replay["reused"] >= 4
     verdict = json.loads((tmp_path / "run" / "promote" / "compare" / "summary.json").read_text())
     assert second["promotion"]["promoted"] is verdict["differences"][0]["better"]
+    third = pipeline(path)
+    assert set(third["actions"].values()) == {"skipped"}
 
 
 def test_the_nightly_script_parses():

@@ -25,6 +25,13 @@ stages that have it; the others resume by themselves), and reruns a changed stag
 together with everything downstream. ``--from-stage`` forces a rerun from that stage on;
 ``--until-stage`` stops after one.
 
+A refresh (new data files in ``data``, e.g. a glob over a log folder) pays for the new records only where it
+counts: regenerate answers only records it has not answered, and extract moves its earlier folder to
+``extract.previous`` and copies the samples it holds (``extract --reuse``), running the verifier on the new ones.
+With ``train.init_from: DEPLOY/current`` (promote's ``deploy``) train continues the draft in service with its own
+vocabulary, and ``train.replay`` picks what of the earlier samples it sees again; on the first run, before
+anything is installed, it starts a fresh draft.
+
     tiny-speculators pipeline --config configs/smollm2-135m.yaml
     tiny-speculators pipeline --config configs/smollm2-135m.yaml --from-stage train --until-stage export
 
@@ -38,6 +45,7 @@ import hashlib
 import inspect
 import json
 import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -75,6 +83,9 @@ WIRED: dict[str, tuple[str, ...]] = {
 # stages that reuse, when their inputs change, what their folder holds that still applies (regenerate: answered
 # records, by content and generation settings): their folder is kept, so new data costs only the new records
 REUSES_FINISHED_WORK = ("regenerate",)
+# stages that, when their inputs change, move their finished folder to NAME.previous and take from it what still
+# applies through this option (extract: the samples it holds); the earlier folder goes once the new one is done
+REUSES_PREVIOUS = {"extract": "reuse"}
 # path options that name where a stage writes outside the run (not inputs: not hashed)
 OUTSIDE_OUTPUTS: dict[str, tuple[str, ...]] = {"promote": ("deploy",)}
 # options that name a built-in set or a file (one with a suffix: resolved and hashed like the Path options)
@@ -232,13 +243,15 @@ def plan_pipeline(raw: dict[str, Any], source: str = "pipeline config") -> Pipel
         data = _resolve_data(sections["prepare"].pop("data"), base, f"{config} [prepare]")
         add("prepare", {"verifier": verifier, "data": data}, [], data)
     add("vocab", {"data": run_dir / "prepare"}, ["prepare"], [])
+    # a draft train continues (train.init_from) keeps its own vocabulary: the vocab stage's is not handed to it
+    vocab_in = {} if _continues(sections, base, config) else {"vocab": run_dir / "vocab"}
     if online:
-        add("train", {"verifier": verifier, "vocab": run_dir / "vocab", "data": run_dir / "prepare"},
-            ["prepare", "vocab"], [])
+        add("train", {"verifier": verifier, **vocab_in, "data": run_dir / "prepare"},
+            ["prepare", *(["vocab"] if vocab_in else [])], [])
     else:
         add("extract", {"verifier": verifier, "data": run_dir / "prepare"}, ["prepare"], [])
-        add("train", {"verifier": verifier, "vocab": run_dir / "vocab", "hidden_states": run_dir / "extract"},
-            ["vocab", "extract"], [])
+        add("train", {"verifier": verifier, **vocab_in, "hidden_states": run_dir / "extract"},
+            [*(["vocab"] if vocab_in else []), "extract"], [])
     add("export", {"checkpoint": run_dir / "train"}, ["train"], [])
     if "evaluate" in sections:
         add("evaluate", {"verifier": verifier, "draft": run_dir / "export"}, ["export"], [])
@@ -246,10 +259,55 @@ def plan_pipeline(raw: dict[str, Any], source: str = "pipeline config") -> Pipel
         add("benchmark", {"verifier": verifier, "draft": run_dir / "export"}, ["export"], [])
     if "promote" in sections:
         add("promote", {"verifier": verifier, "draft": run_dir / "export"}, ["export"], [])
+    deploy = _deploy_folder(sections, base)
     for plan in stages.values():
-        _add_external_options(plan, base)
+        _add_external_options(plan, base, deploy)
     return PipelinePlan(run_dir=run_dir, verifier=verifier,
                         stages={n: stages[n] for n in STAGE_ORDER if n in stages})
+
+
+def _deploy_folder(sections: dict[str, dict[str, Any]], base: Path) -> Path | None:
+    """Where promote installs drafts (its ``deploy`` option, relative to ``base``), if the pipeline promotes."""
+    deploy = sections.get("promote", {}).get("deploy")
+    if deploy is None:
+        return None
+    path = Path(str(deploy)).expanduser()
+    return path if path.is_absolute() else base / path
+
+
+def _continues(sections: dict[str, dict[str, Any]], base: Path, config: str) -> bool:
+    """Whether train continues a draft (``init_from``). On a refresh's first run the draft promote installs is not
+    there yet (``init_from: DEPLOY/current``): train then starts a fresh one, and says so; any other missing
+    ``init_from`` stays for train to name."""
+    init = sections["train"].get("init_from")
+    if init is None:
+        return False
+    path = Path(str(init)).expanduser()
+    path = path if path.is_absolute() else base / path
+    deploy = _deploy_folder(sections, base)
+    if not os.path.lexists(path) and deploy is not None and path == deploy / "current":
+        log.warning("%s: %s does not exist yet (the first refresh): train starts a fresh draft", config, init)
+        del sections["train"]["init_from"]
+        return False
+    _drop_fresh_options(sections["train"], config)
+    return True
+
+
+def _drop_fresh_options(train: dict[str, Any], config: str) -> None:
+    """The options that only shape a fresh draft (eagle3.init ...) leave a train that continues one: the same
+    refresh config serves its first run, which starts a draft, and the later ones (train alone refuses them)."""
+    from tiny_speculators.models import get_family
+    from tiny_speculators.train.stage import train as train_stage
+
+    family = get_family(train.get("algorithm", inspect.signature(train_stage).parameters["algorithm"].default))
+    own = train.get(family.name)
+    if not isinstance(own, dict):
+        return
+    dropped = sorted(str(k) for k in own if str(k).replace("-", "_") in family.fresh_options)
+    if dropped:
+        log.info("%s: train continues %s: %s only start a fresh draft, not used", config, train["init_from"],
+                 ", ".join(f"{family.name}.{k}" for k in dropped))
+        train[family.name] = {k: v for k, v in own.items() if str(k) not in dropped}
 
 
 def _top_level(raw: dict[str, Any], config: str, base: Path) -> tuple[str, Path]:
@@ -294,15 +352,18 @@ def _sections(raw: dict[str, Any], config: str) -> dict[str, dict[str, Any]]:
     return sections
 
 
-def _add_external_options(plan: StagePlan, base: Path) -> None:
+def _add_external_options(plan: StagePlan, base: Path, deploy: Path | None) -> None:
     """Options that are files outside the run (chat_template, init_from, a prompts file ...): relative to ``base``,
-    and inputs of the stage's hash when they exist."""
+    and inputs of the stage's hash when they exist. What promote installs is not: a draft that a refresh continues
+    (``train.init_from: DEPLOY/current``) changes with every promotion, and a rerun without new data redoes
+    nothing."""
     for key, value in plan.options.items():
         if isinstance(plan.kwargs.get(key), Path) and key not in ("out",):
             path = plan.kwargs[key]
             if not path.is_absolute():
                 plan.kwargs[key] = path = base / path
-            if path.exists() and key not in OUTSIDE_OUTPUTS.get(plan.name, ()):
+            installed = deploy is not None and path.is_relative_to(deploy)
+            if path.exists() and key not in OUTSIDE_OUTPUTS.get(plan.name, ()) and not installed:
                 plan.external.append(path)
         if key in NAME_OR_FILE.get(plan.name, ()) and str(value) != "builtin" and Path(str(value)).suffix:
             path = Path(str(value)) if Path(str(value)).is_absolute() else base / str(value)
@@ -470,6 +531,9 @@ def _run_stage(stage: StagePlan, digest: str, same: bool, forced: bool, later: l
             kwargs["resume"] = True
         log.info("pipeline: %s was interrupted: resuming", name)
         action = "resumed"
+    elif name in REUSES_PREVIOUS and stage.out.exists() and not forced:
+        _set_aside(stage.out)  # what it holds that still applies is taken from there
+        action = "ran (incremental)"
     elif name in REUSES_FINISHED_WORK and stage.out.exists() and not forced:
         # the stage itself reuses what in its folder is still valid (regenerate: records by content and settings),
         # so new data files cost only their own records: an incremental refresh
@@ -481,6 +545,9 @@ def _run_stage(stage: StagePlan, digest: str, same: bool, forced: bool, later: l
                      "forced" if forced else "changed" if record else "left over")
             shutil.rmtree(stage.out)
         action = "ran"
+    previous = _previous(stage.out)
+    if name in REUSES_PREVIOUS and previous.exists() and not forced:
+        kwargs[REUSES_PREVIOUS[name]] = previous
     records[name] = {"hash": digest, "status": "running", "options": stage.options,
                      "external_inputs": [str(p) for p in stage.external], "upstream": stage.upstream,
                      "out": str(stage.out), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -493,11 +560,27 @@ def _run_stage(stage: StagePlan, digest: str, same: bool, forced: bool, later: l
     positional = [kwargs.pop(n) for n, (p, _) in stage_params(func).items()
                   if p.kind is inspect.Parameter.POSITIONAL_ONLY and n in kwargs]
     summary = func(*positional, **kwargs)
+    if name in REUSES_PREVIOUS and previous.exists():
+        shutil.rmtree(previous)  # the new folder holds what of it still applies
     records[name].update(status="done", seconds=round(time.perf_counter() - s0, 2),
                          finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                          summary=summary if isinstance(summary, dict) else None)
     _save_manifest(manifest_path, manifest)
     return action
+
+
+def _previous(out: Path) -> Path:
+    return out.with_name(out.name + ".previous")
+
+
+def _set_aside(out: Path) -> None:
+    """Move a stage's earlier folder to ``NAME.previous`` for the rerun to take from. A ``.previous`` already there is
+    the last finished one (a rerun that used it was interrupted): it stays, and the interrupted folder goes."""
+    previous = _previous(out)
+    if previous.exists():
+        shutil.rmtree(out)
+    else:
+        out.rename(previous)
 
 
 def _final_numbers(plan: PipelinePlan, ev: dict[str, Any], exported: dict[str, Any]) -> dict[str, Any]:
