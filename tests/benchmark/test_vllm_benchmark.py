@@ -132,6 +132,7 @@ def test_endpoint_mode_measures_a_running_server(vllm_venv, exported_draft, smol
         code = cli.main(["benchmark", "--endpoint", server.url, "--draft", str(exported_draft), "--out",
                          str(tmp_path / "out"), "--concurrency", "1", "--requests", "2", "--output-tokens", "16"])
         after = urllib.request.urlopen(server.url + "/metrics").read().decode()
+        _compare_counts_each_prompt_as_served(server.url, exported_draft, tmp_path)
         _monitor_sees_an_induced_drop(server.url, tmp_path)
     assert code == 0
     results = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -148,6 +149,33 @@ def test_endpoint_mode_measures_a_running_server(vllm_venv, exported_draft, smol
     assert level["draft"]["output_tokens"] == 16 * level["draft"]["requests_successful"]
     drafts = counter(after, "vllm:spec_decode_num_drafts") - counter(before, "vllm:spec_decode_num_drafts")
     assert 0 < spec_counts["drafts"] <= drafts  # the warm-up request drafted too
+
+
+def _compare_counts_each_prompt_as_served(url: str, draft: Path, tmp_path: Path) -> None:
+    """``compare --backend vllm`` on the running server (twice the same draft): its per-prompt counters add up to
+    what /metrics counted, are our evaluator's own, and the same draft is not better than itself (exit 3)."""
+    from tiny_speculators.evaluate.stage import evaluate
+
+    before = urllib.request.urlopen(url + "/metrics").read().decode()
+    args = ["compare", "--drafts", str(draft), str(draft), "--backend", "vllm", "--endpoints", url, url,
+            "--verifier", "smollm2-135m", "--max-prompts", "3", "--max-new-tokens", "16", "--resamples", "200"]
+    assert cli.main([*args, "--out", str(tmp_path / "compare"), "--require", "better"]) == 3
+    after = urllib.request.urlopen(url + "/metrics").read().decode()
+    runs = [json.loads((tmp_path / "compare" / "drafts" / f"{i}-export" / "results.json").read_text())["per_prompt"]
+            for i in (0, 1)]
+    assert runs[0] == runs[1] and len(runs[0]) == 3  # greedy: the same counters prompt by prompt
+    for key, name in (("num_drafts", "vllm:spec_decode_num_drafts"),
+                      ("num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens")):
+        assert sum(r[key] for run in runs for r in run) == counter(after, name) - counter(before, name)
+    summary = json.loads((tmp_path / "compare" / "summary.json").read_text())
+    assert summary["backend"] == "vllm" and summary["differences"][0]["tau_difference"] == 0
+    assert cli.main([*args, "--out", str(tmp_path / "compare-2"), "--require", "not-worse"]) == 0
+    ours = evaluate("smollm2-135m", draft, tmp_path / "ours", prompts="builtin", max_prompts=3, max_new_tokens=16,
+                    k=K, baseline=False)
+    assert ours["matches_baseline"] is not False
+    mine = json.loads((tmp_path / "ours" / "results.json").read_text())["per_prompt"]
+    assert [(r["num_drafts"], r["num_accepted_tokens"]) for r in mine] == \
+        [(r["num_drafts"], r["num_accepted_tokens"]) for r in runs[0]]
 
 
 def _chat(url: str, temperature: float, prompts: list[str]) -> None:

@@ -3,11 +3,15 @@
 Each draft is either an ``evaluate`` output folder (its ``results.json`` is read) or a draft folder, which is run
 through ``evaluate`` here (into ``OUT/drafts/``) on the given prompts. The first draft is A, the reference; every
 other one is compared with it, overall, per draft position and per prompt category (a prompt's id up to its last
-"-": ``chat-03`` is chat). With ``--require better`` (or ``not-worse``) the exit code is the verdict: 0 when every
-other draft passes against A at ``--confidence`` (beyond ``--margin``), 3 when one does not, 1 on bad input.
+"-": ``chat-03`` is chat). ``--backend vllm`` measures each exported draft in ``vllm serve`` instead, from the
+counters vLLM keeps while it serves the same prompts (:mod:`.served`). With ``--require better`` (or
+``not-worse``) the exit code is the verdict: 0 when every other draft passes against A at ``--confidence`` (beyond
+``--margin``), 3 when one does not, 1 on bad input.
 
     tiny-speculators compare --drafts runs/old/export runs/new/export --verifier smollm2-135m --out runs/compare \
         --max-prompts 12 --require better
+    tiny-speculators compare --drafts deploy/current runs/new/export --out runs/compare-vllm --backend vllm \
+        --max-prompts 12 --require not-worse --margin 0.05
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ def compare(
     seed: int = 0,
     require: Literal["none", "better", "not-worse"] = "none",
     trust_remote_code: bool = False,
+    backend: Literal["evaluate", "vllm"] = "evaluate",
+    endpoints: list[str] | None = None,
+    vllm_venv: Path | None = None,
 ) -> dict[str, Any]:
     """Compare drafts on the same prompts: τ per draft and τ_B - τ_A with paired bootstrap intervals.
 
@@ -70,14 +77,27 @@ def compare(
         seed: seed of the bootstrap draws.
         require: none, or the verdict every other draft must reach against A for the command to exit 0 (else 3).
         trust_remote_code: allow the verifier's custom modelling code (drafts evaluated here).
+        backend: evaluate (our evaluator decodes each draft) or vllm (vLLM serves each exported draft, and its
+            /metrics counters are read prompt by prompt: the acceptance the fleet will see).
+        endpoints: backend vllm: running servers, one per draft in the same order, each serving that draft (they
+            must take no other requests while compare measures); default: start vllm serve for each draft in turn.
+        vllm_venv: backend vllm: the vLLM environment the servers start from (default: $TINY_SPECULATORS_VLLM_VENV
+            or ~/.cache/tiny-speculators/vllm-venv, as scripts/vllm_env.sh builds it).
     """
     drafts = [Path(d) for d in drafts]
     _check_arguments(drafts, confidence, margin, resamples)
+    if endpoints is not None and (backend != "vllm" or len(endpoints) != len(drafts)):
+        raise UserError(f"--endpoints: one running vLLM server per draft ({len(drafts)}), with --backend vllm")
     out = Path(out)
     names = _names(drafts)
-    results = [_results(d, name, out, verifier, prompts=prompts, k=k, max_new_tokens=max_new_tokens,
-                        max_prompts=max_prompts, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-               for d, name in zip(drafts, names, strict=True)]
+    options = dict(prompts=prompts, k=k, max_new_tokens=max_new_tokens, max_prompts=max_prompts, dtype=dtype)
+    if backend == "vllm":
+        served_by = endpoints or [None] * len(drafts)
+        results = [_served(d, name, out, verifier, endpoint=url, vllm_venv=vllm_venv, **options)
+                   for d, name, url in zip(drafts, names, served_by, strict=True)]
+    else:
+        results = [_results(d, name, out, verifier, device=device, trust_remote_code=trust_remote_code, **options)
+                   for d, name in zip(drafts, names, strict=True)]
     ids = _paired_prompts(results, drafts)
     counts = [_counts(r) for r in results]
     overall = paired_bootstrap(counts, resamples=resamples, seed=seed, confidence=confidence, margin=margin)
@@ -90,6 +110,7 @@ def compare(
         "drafts": [str(d) for d in drafts], "names": names, "reference": names[0], "prompts": len(ids),
         "verifier_id": results[0].get("verifier_id"), "k": [r.get("k") for r in results],
         "confidence": confidence, "margin": margin, "resamples": resamples, "seed": seed, "require": require,
+        "backend": backend,
         **{key: overall[key] for key in ("drafts", "differences")},
         "per_category": {c: {key: v[key] for key in ("prompts", "drafts", "differences")}
                          for c, v in categories.items()},
@@ -100,7 +121,8 @@ def compare(
     if summary["passed"] is False:
         failing = [names[i + 1] for i, d in enumerate(summary["differences"])
                    if not d["better" if require == "better" else "not_worse"]]
-        raise GateNotPassed(f"{', '.join(failing)} not {require} than {names[0]} at {confidence:.0%} confidence "
+        verdict = f"better than {names[0]}" if require == "better" else f"at worst the margin below {names[0]}"
+        raise GateNotPassed(f"{', '.join(failing)} not {verdict} at {confidence:.0%} confidence "
                             f"(margin {margin}): see {out / 'compare.json'}")
     return summary
 
@@ -146,6 +168,17 @@ def _results(draft: Path, name: str, out: Path, verifier: str | None, **options:
     log.info("evaluating %s into %s", draft, target)
     evaluate(verifier, draft, target, baseline=False, **options)
     return json.loads((target / "results.json").read_text(encoding="utf-8"))
+
+
+def _served(draft: Path, name: str, out: Path, verifier: str | None, **options: Any) -> dict[str, Any]:
+    """The per-prompt counters of ``draft`` as vLLM serves it, kept in ``OUT/drafts/NAME/results.json``."""
+    from tiny_speculators.compare.served import served_results
+
+    if not draft.exists():
+        raise UserError(f"draft {draft} does not exist")
+    results = served_results(draft, name, out, verifier, **options)
+    write_json_atomic(out / "drafts" / name.replace("/", "-").replace(":", "-") / "results.json", results)
+    return results
 
 
 def _paired_prompts(results: list[dict[str, Any]], drafts: list[Path]) -> list[str]:

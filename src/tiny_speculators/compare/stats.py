@@ -41,7 +41,8 @@ def paired_bootstrap(counts: list[Counts], *, resamples: int, seed: int, confide
     share of draws in which it beats A by more than ``margin`` (``p_better``), and the two verdicts:
 
     - ``better``: the one-sided lower bound of τ_B - τ_A is above ``margin``;
-    - ``not_worse``: that bound is above ``-margin`` (B is at most ``margin`` worse, at ``confidence``).
+    - ``not_worse``: that bound is at or above ``-margin`` (B is at most ``margin`` worse, at ``confidence``; a draft
+      is not worse than itself at margin 0).
     """
     n = len(counts[0].drafts)
     positions = max(len(p) for c in counts for p in c.per_position) if n else 0
@@ -84,6 +85,6 @@ def paired_bootstrap(counts: list[Counts], *, resamples: int, seed: int, confide
                                        float(np.quantile(pos[m, :, j] - pos[0, :, j], hi_q))]
                                       for j in range(positions)],
             "better": lower > margin,
-            "not_worse": lower > -margin,
+            "not_worse": lower >= -margin,
         })
     return out
