@@ -114,6 +114,36 @@ def test_pipeline_end_to_end_skip_change_and_range(tiny_config, capsys):
     assert regenerated["resumed_records"] == 6 and regenerated["kept"] == 7 and regenerated["new_tokens"] > 0
 
 
+def test_a_killed_incremental_extract_resumes_from_its_earlier_folder(tiny_config, monkeypatch):
+    """New data: extract sets its earlier folder aside (extract.previous) and copies what it holds; a kill midway
+    leaves both; the rerun resumes the new folder, still copying from the earlier one, then removes it."""
+    from tiny_speculators.verifier import extract as extract_stage
+
+    _edit(tiny_config, "extract", shard_mb=0.02)  # about one sample per shard: a kill can fall between shards
+    run = Path(pipeline(tiny_config, until_stage="extract")["run_dir"])
+    data = Path(yaml.safe_load(tiny_config.read_text())["regenerate"]["data"][0])
+    data.write_text(data.read_text() + json.dumps({"messages": [{"role": "user", "content": "One more?"}]}) + "\n")
+    _edit(tiny_config, "regenerate", max_records=7)
+    run_shard, calls = extract_stage._run_shard, []
+
+    def dying(*args, **kwargs):  # the new sample's shard: the copied ones before it are written
+        calls.append(1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(extract_stage, "_run_shard", dying)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline(tiny_config, until_stage="extract")
+    assert calls == [1]
+    assert (run / "extract.previous" / "manifest.json").is_file() and not (run / "extract" / "manifest.json").exists()
+    monkeypatch.setattr(extract_stage, "_run_shard", run_shard)
+    resumed = pipeline(tiny_config, until_stage="extract")
+    assert resumed["actions"]["extract"] == "resumed" and not (run / "extract.previous").exists()
+    extracted = json.loads((run / "extract" / "summary.json").read_text())
+    assert extracted["total_samples"] == 7 and extracted["shards_written"] < extracted["shards_total"]
+    manifest = json.loads((run / "extract" / "manifest.json").read_text())
+    assert sum(len(s.get("reused", [])) for s in manifest["shards"]) == 6
+
+
 def test_one_stage_runs_from_the_pipeline_config(tiny_config):
     """`train --config PIPELINE.yaml` (what each node runs under torchrun) takes the train section and the pipeline's
     wiring, a flag overrides it, and the later stages run the same way from their sections."""

@@ -345,8 +345,10 @@ def extract(
     head = (load_verifier_head(verifier, parse_dtype(dtype), trust_remote_code).target_head.to(device)
             if backend == "vllm" else TargetHead(parts.norm, parts.lm_head))
     guard = Guard(aux_ids, hidden, head, default_agreement(dtype) if guard_agreement is None else guard_agreement)
-    to_compute = mine if index is None else [k for k in mine if not index.covers(dataset[plan[k]["start"]:plan[k][
-        "end"]]["input_ids"])]
+    # with --reuse, the shards copied whole come first: a kill while the others compute keeps them
+    copied = [] if index is None else [k for k in mine if index.covers(dataset[plan[k]["start"]:plan[k]["end"]][
+        "input_ids"])]
+    to_compute = [k for k in mine if k not in set(copied)]
     with contextlib.ExitStack() as stack:  # holds the vLLM worker, if any
         if backend == "vllm" and to_compute:
             run = _vllm_source(stack, vllm_py, source, head, aux_ids, parts, store, dtype, device, out, rank_,
@@ -355,8 +357,12 @@ def extract(
             run = _hf_source(model, parts, aux_ids, store, device, max_tokens_per_batch, store_dtype)
         if index is not None:
             run = index.wrap(run)
-        written, seconds = _write_shards(ShardWriter(out, rank_, store, n_aux), run, shard_records, plan, mine,
-                                         rank_, progress, guard)
+        written, seconds = [], 0.0
+        for group in (copied, to_compute):
+            if group:
+                done, took = _write_shards(ShardWriter(out, rank_, store, n_aux), run, shard_records, plan, group,
+                                           rank_, progress, guard)
+                written, seconds = written + done, seconds + took
     manifest = merge_manifest(out)
     summary = {
         "rank": rank_, "world_size": world, **_measures(written, seconds, started, per_token),
