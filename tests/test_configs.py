@@ -63,19 +63,19 @@ def test_config_plans_and_each_option_reaches_its_stage(path):
 
 # (edit of configs/smollm2-135m-dflash.yaml (None: the section removed), how the error the user reads after
 # "tiny-speculators pipeline: error: "
-# starts; the command hands the file's sections to the pipeline, which calls them "pipeline options")
+# starts: the config file's path, then the section)
 BROKEN = [
-    ({"train": {"max_step": 5}}, "pipeline options [train]: unknown option(s) max_step for 'train' (known: verifier, "),
-    ({"train": {"max_steps": "many"}}, "pipeline options [train]: option 'max_steps' must be an integer, not 'many'"),
-    ({"evaluate": {"k": 2.5}}, "pipeline options [evaluate]: option 'k' must be an integer, not 2.5"),
-    ({"extract": {"layout": "fp7"}}, "pipeline options [extract]: option 'layout' must be one of full, fp8, topk, "
+    ({"train": {"max_step": 5}}, "{path} [train]: unknown option(s) max_step for 'train' (known: verifier, "),
+    ({"train": {"max_steps": "many"}}, "{path} [train]: option 'max_steps' must be an integer, not 'many'"),
+    ({"evaluate": {"k": 2.5}}, "{path} [evaluate]: option 'k' must be an integer, not 2.5"),
+    ({"extract": {"layout": "fp7"}}, "{path} [extract]: option 'layout' must be one of full, fp8, topk, "
                                      "fp8-topk, not 'fp7'"),
-    ({"train": {"dflash": {"block_size": "four"}}}, "pipeline options [train]: option 'dflash'.block_size must be an "
+    ({"train": {"dflash": {"block_size": "four"}}}, "{path} [train]: option 'dflash'.block_size must be an "
                                                     "integer, not 'four'"),
-    ({"train": {"dflash": {"block_sizes": 4}}}, "pipeline options [train]: option 'dflash': unknown option(s) "
+    ({"train": {"dflash": {"block_sizes": 4}}}, "{path} [train]: option 'dflash': unknown option(s) "
                                                 "block_sizes (known: block_size, "),
     ({"vocabulary": {"size": 10}}, "{path}: unknown option(s) vocabulary for 'pipeline' (known: config, "),
-    ({"evaluate": None}, "pipeline options: needs an 'evaluate' section (it may be empty: evaluate: {{}}), or a "
+    ({"evaluate": None}, "{path}: needs an 'evaluate' section (it may be empty: evaluate: {{}}), or a "
                          "'benchmark' "),
 ]
 

@@ -131,7 +131,9 @@ def _config_values(stage: str, path: Path) -> dict[str, Any]:
     section per stage), whose section for this stage and whose wiring (inputs and output in ``run_dir``) are taken,
     so that one file drives ``pipeline`` and a stage run on its own, e.g. ``train`` under torchrun on each node."""
     raw = load_yaml(path)
-    if stage == "pipeline" or "run_dir" not in raw:
+    if stage == "pipeline":  # its keys are bound (and checked) here; the path names the config in its messages
+        return {**raw, "config": path}
+    if "run_dir" not in raw:
         return raw
 
     plan = plan_pipeline(raw, str(path)).stages.get(stage)
