@@ -16,11 +16,13 @@ from tiny_speculators.pipeline import STAGE_ORDER, pipeline, plan_pipeline, vllm
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "src" / "tiny_speculators" / "resources" / "prompts" / "train.jsonl"
-# every stage but benchmark, which needs the vLLM environment (tests/benchmark runs it)
-CORE = tuple(name for name in STAGE_ORDER if name not in ("benchmark", "promote"))
+# every stage but the optional ones: synthesize, benchmark (needs the vLLM environment: tests/benchmark), promote
+CORE = tuple(name for name in STAGE_ORDER if name not in ("synthesize", "benchmark", "promote"))
 
 # per-stage options that make any config run in seconds on a tiny verifier
 SHORT: dict[str, dict] = {
+    "synthesize": {"count": 4, "batch_size": 4, "max_prompt_tokens": 6, "min_words": 0, "backend": "transformers",
+                   "device": "cpu"},
     "regenerate": {"max_new_tokens": 6, "batch_size": 4, "max_records": 6},
     "prepare": {"max_length": 96},
     "vocab": {"size": 256},
@@ -384,3 +386,28 @@ def test_the_nightly_script_parses():
     script = ROOT / "examples" / "nightly" / "nightly.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     assert "tiny-speculators pipeline --config \"$here/nightly.yaml\"" in script.read_text()
+
+
+@pytest.mark.slow
+def test_synthesized_prompts_feed_regenerate_with_or_without_user_data(tiny_config):
+    """A synthesize section: its prompts are answered by regenerate next to the user's data, or alone (on the
+    embedded verifier: a random one never ends its user turn, so all its prompts are dropped as truncated)."""
+    _edit(tiny_config, "regenerate", max_records=None)
+    config = yaml.safe_load(tiny_config.read_text())
+    config["verifier"] = "smollm2-135m"
+    config["synthesize"] = {**SHORT["synthesize"], "max_prompt_tokens": 40, "seed": 1}
+    tiny_config.write_text(yaml.safe_dump(config))
+    run = Path(pipeline(tiny_config, until_stage="regenerate")["run_dir"])
+    synthesized = json.loads((run / "synthesize" / "summary.json").read_text())["kept"]
+    assert synthesized >= 1
+    answered = json.loads((run / "regenerate" / "summary.json").read_text())
+    assert answered["kept"] == 6 + synthesized
+    del config["regenerate"]["data"]
+    tiny_config.write_text(yaml.safe_dump(config))
+    alone = pipeline(tiny_config, until_stage="regenerate")
+    assert alone["actions"] == {"synthesize": "skipped", "regenerate": "ran (incremental)"}
+    assert json.loads((run / "regenerate" / "summary.json").read_text())["kept"] == synthesized
+    del config["synthesize"]
+    tiny_config.write_text(yaml.safe_dump(config))
+    with pytest.raises(UserError, match="'regenerate' needs 'data'"):
+        pipeline(tiny_config)

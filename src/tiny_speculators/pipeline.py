@@ -5,7 +5,8 @@ own options (the same keys as its CLI flags)::
 
     run_dir: runs/smollm2-135m
     verifier: smollm2-135m
-    regenerate: {data: [builtin:train], max_new_tokens: 96}   # optional
+    synthesize: {count: 2000}           # optional: prompts the verifier writes itself, answered by regenerate
+    regenerate: {data: [builtin:train], max_new_tokens: 96}   # optional (data optional with synthesize)
     prepare: {max_length: 512}          # takes `data` itself when there is no regenerate section
     vocab: {size: 8192}
     extract: {}                         # offline mode; leave it out and set train.online: true instead
@@ -65,11 +66,13 @@ log = logging.getLogger(__name__)
 
 __all__ = ["MANIFEST", "STAGE_ORDER", "PipelinePlan", "pipeline", "plan_pipeline", "vllm_serve_command"]
 
-STAGE_ORDER = ("regenerate", "prepare", "vocab", "extract", "train", "export", "evaluate", "benchmark", "promote")
+STAGE_ORDER = ("synthesize", "regenerate", "prepare", "vocab", "extract", "train", "export", "evaluate", "benchmark",
+               "promote")
 MANIFEST = "pipeline.json"
 TOP_LEVEL = ("run_dir", "verifier")
 # options each stage gets from the pipeline (never from its YAML section)
 WIRED: dict[str, tuple[str, ...]] = {
+    "synthesize": ("verifier", "out"),
     "regenerate": ("verifier", "out"),
     "prepare": ("verifier", "out"),
     "vocab": ("data", "out"),
@@ -219,8 +222,11 @@ def plan_pipeline(raw: dict[str, Any], source: str = "pipeline config") -> Pipel
     has_regen = "regenerate" in sections
     if has_regen and "data" in sections["prepare"]:
         raise UserError(f"{config}: with a 'regenerate' section, prepare reads its output: move 'data' there")
+    has_synth = "synthesize" in sections
+    if has_synth and not has_regen:
+        raise UserError(f"{config}: a 'synthesize' section needs a 'regenerate' one (it answers the prompts)")
     data_owner = "regenerate" if has_regen else "prepare"
-    if "data" not in sections[data_owner]:
+    if "data" not in sections[data_owner] and not has_synth:
         raise UserError(f"{config}: '{data_owner}' needs 'data' (chat files, or builtin:train)")
 
     stages: dict[str, StagePlan] = {}
@@ -233,9 +239,15 @@ def plan_pipeline(raw: dict[str, Any], source: str = "pipeline config") -> Pipel
         kwargs = bind(func, values, source=f"{config} [{name}]")
         stages[name] = StagePlan(name, kwargs, options, upstream, external, out)
 
+    if has_synth:  # the verifier's own prompts, answered by regenerate with (or without) the user's data
+        add("synthesize", {"verifier": verifier}, [], [])
+        from tiny_speculators.data.synthesize import OUTPUT_FILE as SYNTHESIZED
     if has_regen:
-        data = _resolve_data(sections["regenerate"].pop("data"), base, f"{config} [regenerate]")
-        add("regenerate", {"verifier": verifier, "data": data}, [], data)
+        given = sections["regenerate"].pop("data", [])
+        data = _resolve_data(given, base, f"{config} [regenerate]") if given else []
+        synthesized = [run_dir / "synthesize" / SYNTHESIZED] if has_synth else []
+        add("regenerate", {"verifier": verifier, "data": data + synthesized}, ["synthesize"] if has_synth else [],
+            data)
         from tiny_speculators.data.regenerate import OUTPUT_FILE
 
         add("prepare", {"verifier": verifier, "data": [run_dir / "regenerate" / OUTPUT_FILE]}, ["regenerate"], [])
@@ -414,6 +426,7 @@ def pipeline(
     until_stage: str | None = None,
     run_dir: Path | None = None,
     verifier: str | None = None,
+    synthesize: dict | None = None,
     regenerate: dict | None = None,
     prepare: dict | None = None,
     vocab: dict | None = None,
@@ -435,6 +448,8 @@ def pipeline(
         until_stage: Stop after this stage.
         run_dir: Run directory: one folder per stage plus pipeline.json.
         verifier: The verifier: a Hugging Face id, a local folder, or smollm2-135m.
+        synthesize: Options of the synthesize stage (optional section: prompts the verifier writes, which
+            regenerate answers with its own data, or alone).
         regenerate: Options of the regenerate stage (optional section; it takes `data`).
         prepare: Options of the prepare stage (takes `data` when there is no regenerate section).
         vocab: Options of the vocab stage.
@@ -448,9 +463,9 @@ def pipeline(
             DEPLOY/current when it beats the current draft).
     """
     raw: dict[str, Any] = load_yaml(config) if config is not None else {}
-    given = {"run_dir": run_dir, "verifier": verifier, "regenerate": regenerate, "prepare": prepare, "vocab": vocab,
-             "extract": extract, "train": train, "export": export, "evaluate": evaluate, "benchmark": benchmark,
-             "promote": promote}
+    given = {"run_dir": run_dir, "verifier": verifier, "synthesize": synthesize, "regenerate": regenerate,
+             "prepare": prepare, "vocab": vocab, "extract": extract, "train": train, "export": export,
+             "evaluate": evaluate, "benchmark": benchmark, "promote": promote}
     raw.update({k: v for k, v in given.items() if v is not None})
     source = str(config) if config is not None else "pipeline options"
     t0 = time.perf_counter()

@@ -12,6 +12,8 @@ from tiny_speculators.errors import UserError
 STAGES: dict[str, tuple[str, str]] = {
     "prepare": ("tiny_speculators.data.prepare:prepare", "chat data -> token ids + assistant loss mask"),
     "vocab": ("tiny_speculators.data.vocab:vocab", "draft vocabulary (d2t / t2d) from token counts"),
+    "synthesize": ("tiny_speculators.data.synthesize:synthesize",
+                   "prompts the verifier writes itself (Magpie), filtered: data without a dataset"),
     "regenerate": ("tiny_speculators.data.regenerate:regenerate",
                    "rewrite assistant turns with the verifier's own answers"),
     "extract": ("tiny_speculators.verifier.extract:extract", "verifier hidden states -> checksummed shards"),

@@ -30,12 +30,13 @@ from typing import Any
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.serving import VllmServer, sigterm_as_exit
+from tiny_speculators.serving import VllmServer, build_vllm_env, check_port_free, sigterm_as_exit
 from tiny_speculators.verifier.load import load_verifier, resolve_verifier
 
 log = logging.getLogger(__name__)
 
-__all__ = ["VLLM_LOG", "EndpointGenerator", "HFGenerator", "Sampling", "chat_completions_url", "start_vllm"]
+__all__ = ["VLLM_LOG", "EndpointGenerator", "HFGenerator", "Sampling", "chat_completions_url", "start_vllm",
+           "vllm_or_fallback"]
 
 VLLM_LOG = "vllm-server.log"  # the server's log, in the output folder
 
@@ -187,6 +188,18 @@ class EndpointGenerator:
 
 
 
+
+
+def vllm_or_fallback(venv: Path | None, out: Path, port: int | None) -> Path | None:
+    """The vLLM environment's interpreter (built on first use), or None with a one-line warning: fall back to
+    generating in-process."""
+    if port is not None:
+        check_port_free(port)  # a bad port is the user's to fix, not a reason to fall back
+    try:
+        return build_vllm_env(venv, log_path=out / "vllm-env.log")
+    except UserError as e:
+        log.warning("backend vllm is not available (%s): generating in-process with transformers instead", e)
+        return None
 
 
 def start_vllm(stack: contextlib.ExitStack, python: Path, verifier: str, out: Path, *, served_model_name: str,

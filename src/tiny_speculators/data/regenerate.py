@@ -51,10 +51,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tiny_speculators.atomic import write_text_atomic
-from tiny_speculators.data.generate import EndpointGenerator, HFGenerator, Sampling, chat_completions_url, start_vllm
+from tiny_speculators.data.generate import (
+    EndpointGenerator,
+    HFGenerator,
+    Sampling,
+    chat_completions_url,
+    start_vllm,
+    vllm_or_fallback,
+)
 from tiny_speculators.data.readers import read_records, resolve_data
 from tiny_speculators.errors import UserError
-from tiny_speculators.serving import build_vllm_env, check_port_free
 from tiny_speculators.verifier.load import verifier_id
 
 log = logging.getLogger(__name__)
@@ -188,17 +194,6 @@ def _finished_settings(out: Path) -> dict[str, Any] | None:
     try:
         return json.loads(summary.read_text(encoding="utf-8")).get("generation_settings")
     except (json.JSONDecodeError, AttributeError):
-        return None
-
-
-def _vllm_python(venv: Path | None, out: Path, port: int | None) -> Path | None:
-    """The vLLM environment's interpreter (built on first use), or None with a one-line warning: fall back."""
-    if port is not None:
-        check_port_free(port)  # a bad port is the user's to fix, not a reason to fall back
-    try:
-        return build_vllm_env(venv, log_path=out / "vllm-env.log")
-    except UserError as e:
-        log.warning("backend vllm is not available (%s): generating in-process with transformers instead", e)
         return None
 
 
@@ -393,7 +388,7 @@ def regenerate(
         raise UserError(f"no usable chat records in {', '.join(map(str, data))}")
 
     out.mkdir(parents=True, exist_ok=True)
-    vllm_python = _vllm_python(vllm_venv, out, port) if backend == "vllm" else None
+    vllm_python = vllm_or_fallback(vllm_venv, out, port) if backend == "vllm" else None
     if backend == "vllm" and vllm_python is None:
         backend = "transformers"
     model = model_name or verifier_id(verifier)
