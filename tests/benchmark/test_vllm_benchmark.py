@@ -133,6 +133,7 @@ def test_endpoint_mode_measures_a_running_server(vllm_venv, exported_draft, smol
                          str(tmp_path / "out"), "--concurrency", "1", "--requests", "2", "--output-tokens", "16"])
         after = urllib.request.urlopen(server.url + "/metrics").read().decode()
         _compare_counts_each_prompt_as_served(server.url, exported_draft, tmp_path)
+        _synthesize_through_the_running_server(server.url, tmp_path)
         _monitor_sees_an_induced_drop(server.url, tmp_path)
     assert code == 0
     results = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -176,6 +177,19 @@ def _compare_counts_each_prompt_as_served(url: str, draft: Path, tmp_path: Path)
     mine = json.loads((tmp_path / "ours" / "results.json").read_text())["per_prompt"]
     assert [(r["num_drafts"], r["num_accepted_tokens"]) for r in mine] == \
         [(r["num_drafts"], r["num_accepted_tokens"]) for r in runs[0]]
+
+
+def _synthesize_through_the_running_server(url: str, tmp_path: Path) -> None:
+    """``synthesize --backend endpoint``: the verifier's own user turns, sampled through the running server (token
+    ids in, its end-of-turn token as the stop), every one kept or counted under a reason."""
+    from tiny_speculators.data.synthesize import synthesize
+
+    summary = synthesize("smollm2-135m", tmp_path / "synth", count=8, backend="endpoint", endpoint=url, batch_size=4,
+                         max_prompt_tokens=48)
+    assert summary["kept"] + sum(summary["dropped"].values()) == 8 and summary["tokens_generated"] > 8
+    kept = [json.loads(line) for line in (tmp_path / "synth" / "prompts.jsonl").read_text().splitlines()]
+    assert len(kept) == summary["kept"] >= 1 and all(r["messages"][-1]["content"].strip() for r in kept)
+    assert not any("<|im_end|>" in r["messages"][-1]["content"] for r in kept)
 
 
 def _chat(url: str, temperature: float, prompts: list[str]) -> None:

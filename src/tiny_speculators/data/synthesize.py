@@ -72,7 +72,8 @@ def synthesize(
     verifier: str,
     out: Path,
     count: int = 1000,
-    backend: Literal["vllm", "transformers"] = "vllm",
+    backend: Literal["vllm", "transformers", "endpoint"] = "vllm",
+    endpoint: str | None = None,
     temperature: float = 1.0,
     top_p: float = 1.0,
     max_prompt_tokens: int = 128,
@@ -97,7 +98,9 @@ def synthesize(
         out: output folder: prompts.jsonl, summary.json (counts kept and dropped by reason, samples), lengths.png.
         count: prompts to sample (before filtering).
         backend: vllm (a vllm serve of the verifier this stage starts and stops; in-process when the vLLM
-            environment cannot be built) or transformers (in this process).
+            environment cannot be built), transformers (in this process) or endpoint (a running vLLM server).
+        endpoint: the running vLLM server of the verifier (http://HOST:PORT), for backend endpoint: its
+            /v1/completions takes token ids and stop_token_ids.
         temperature: sampling temperature of the prompts.
         top_p: nucleus sampling of the prompts.
         max_prompt_tokens: longest prompt in tokens; one that does not end its turn within it is dropped.
@@ -119,6 +122,8 @@ def synthesize(
         trust_remote_code: allow the verifier's own code from the hub.
     """
     _check(count, temperature, top_p, max_prompt_tokens, min_words, max_words, near_duplicate, batch_size)
+    if (endpoint is not None) != (backend == "endpoint"):
+        raise UserError("--endpoint goes with --backend endpoint, and --backend endpoint needs --endpoint")
     from tiny_speculators.verifier.load import load_tokenizer, verifier_id
 
     out = Path(out)
@@ -139,7 +144,7 @@ def synthesize(
     if todo:
         with contextlib.ExitStack() as stack:
             draw = _drawer(stack, backend, verifier, out, prefix, end, tokenizer, settings, device, vllm_venv, port,
-                           trust_remote_code)
+                           trust_remote_code, endpoint)
             with (out / PARTIAL_FILE).open("a", encoding="utf-8") as journal:
                 for b in todo:
                     items = draw(b, len(blocks[b]))
@@ -233,9 +238,16 @@ def _journal(out: Path, settings: dict[str, Any]) -> dict[int, list[dict[str, An
 
 def _drawer(stack: contextlib.ExitStack, backend: str, verifier: str, out: Path, prefix: list[int], end: str,
             tokenizer, settings: dict[str, Any], device: str, vllm_venv: Path | None, port: int | None,
-            trust_remote_code: bool):
+            trust_remote_code: bool, endpoint: str | None):
     """A function: block number, size -> that many sampled prompts ({"text", "tokens", "truncated"})."""
     end_ids = tokenizer(end, add_special_tokens=False)["input_ids"]
+    body = {"prompt": prefix, "max_tokens": settings["max_prompt_tokens"], "temperature": settings["temperature"],
+            "top_p": settings["top_p"], **({"stop_token_ids": end_ids} if len(end_ids) == 1 else {"stop": [end]})}
+    if endpoint is not None:
+        url = endpoint.rstrip("/").removesuffix("/v1")
+        pool = stack.enter_context(ThreadPoolExecutor(settings["batch_size"]))
+        request = {**body, "model": _served_model(url)}
+        return lambda block, n: list(pool.map(lambda _: _complete(url, request), range(n)))
     if backend == "vllm":
         from tiny_speculators.data.generate import start_vllm, vllm_or_fallback
 
@@ -245,11 +257,17 @@ def _drawer(stack: contextlib.ExitStack, backend: str, verifier: str, out: Path,
                                 seed=settings["seed"], port=port, startup_timeout=900.0,
                                 trust_remote_code=trust_remote_code)
             pool = stack.enter_context(ThreadPoolExecutor(settings["batch_size"]))
-            body = {"model": "verifier", "prompt": prefix, "max_tokens": settings["max_prompt_tokens"],
-                    "temperature": settings["temperature"], "top_p": settings["top_p"],
-                    **({"stop_token_ids": end_ids} if len(end_ids) == 1 else {"stop": [end]})}
-            return lambda block, n: list(pool.map(lambda _: _complete(server.url, body), range(n)))
+            request = {**body, "model": "verifier"}
+            return lambda block, n: list(pool.map(lambda _: _complete(server.url, request), range(n)))
     return _in_process(verifier, prefix, end_ids, settings, device, trust_remote_code)
+
+
+def _served_model(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url + "/v1/models", timeout=30) as response:
+            return str(json.loads(response.read().decode("utf-8"))["data"][0]["id"])
+    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as e:
+        raise UserError(f"--endpoint {url}: /v1/models does not name a model ({getattr(e, 'reason', e)})") from None
 
 
 def _complete(url: str, body: dict[str, Any], retries: int = 3) -> dict[str, Any]:
