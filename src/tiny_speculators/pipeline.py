@@ -58,6 +58,7 @@ from tiny_speculators.config import bind, load_yaml, stage_params
 from tiny_speculators.data.readers import BUILTIN_PREFIX, builtin_prompts
 from tiny_speculators.errors import UserError
 from tiny_speculators.stages import load_stage
+from tiny_speculators.verifier.fingerprint import verifier_fingerprint
 
 # The stage modules, models/ and verifier/ load torch, and rich would add half to the start-up: the functions that
 # need them import them, so that importing this module (`tiny-speculators --help` does) stays light.
@@ -108,23 +109,6 @@ def _hash_path(path: Path, h: Any) -> None:
             _hash_path(p, h)
     else:
         raise UserError(f"input {path} does not exist")
-
-
-def _verifier_fingerprint(verifier: str) -> str:
-    """The verifier's identity: a hub id / embedded name as is; a local folder by its config and file sizes."""
-    path = Path(verifier).expanduser()
-    if not path.is_dir():
-        return verifier
-    h = hashlib.sha256()
-    for p in sorted(q for q in path.rglob("*") if q.is_file()):
-        rel = str(p.relative_to(path))
-        h.update(rel.encode() + b"\0")
-        if p.suffix in (".json", ".jinja", ".txt", ".model") and p.stat().st_size < (16 << 20):
-            h.update(p.read_bytes())
-        else:  # weights: size + mtime (hashing gigabytes on every run would be slow)
-            st = p.stat()
-            h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
-    return f"{path.resolve()}#{h.hexdigest()[:16]}"
 
 
 def _jsonable(value: Any) -> Any:
@@ -480,7 +464,7 @@ def pipeline(
     manifest = _load_manifest(manifest_path)
     manifest.update(config=str(Path(config).resolve()) if config is not None else None, verifier=plan.verifier)
     records: dict[str, dict[str, Any]] = manifest["stages"]
-    verifier_fp = _verifier_fingerprint(plan.verifier)
+    verifier_fp = verifier_fingerprint(plan.verifier)
     hashes: dict[str, str] = {}
     actions: dict[str, str] = {}
     for i, name in enumerate(names):

@@ -64,6 +64,15 @@ def test_first_same_and_gated_promotions(exported, tiny_llama_dir, tmp_path):
     # the release records the τ it was validated at, which `monitor --draft DEPLOY/current` compares served τ with
     validated = json.loads((current / "summary.json").read_text())["validated"]
     assert validated["acceptance_length"] == replaced["tau_new"] and validated["num_prompts"] == 3
+    assert kept["current_evaluation"] == replaced["current_evaluation"] == "decoded"  # the first release has none
+    # the installed draft keeps its decoding: the next gate with the same settings decodes only the new draft, and
+    # counts the current one as it was counted (the bytes of the release's draft files are unchanged by it)
+    again = promote(a, tmp_path / "p5", deploy, verifier=str(tiny_llama_dir), require="better", **FAST)
+    assert again["current_evaluation"] == "reused" and again["tau_current"] == replaced["tau_new"]
+    assert not (tmp_path / "p5" / "compare" / "drafts" / "current").exists()
+    other = promote(a, tmp_path / "p6", deploy, verifier=str(tiny_llama_dir), require="better",
+                    **{**FAST, "max_new_tokens": 6})
+    assert other["current_evaluation"] == "decoded"
 
 
 def test_a_folder_put_there_by_hand_becomes_a_release(exported, tmp_path, tiny_llama_dir):

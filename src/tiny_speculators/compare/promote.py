@@ -88,7 +88,12 @@ def promote(
     else:
         if verifier is None:
             raise UserError("promote needs --verifier to decode the current and the new draft")
-        result = compare([current, draft], out / "compare", verifier=verifier, prompts=prompts, k=k,
+        # the current draft's decoding, kept in its release when it was promoted, serves again when nothing it
+        # depends on changed (greedy decoding gives the same counts): only the new draft is decoded then
+        settings = _evaluation_settings(verifier, prompts, max_prompts, max_new_tokens, k, dtype, device)
+        reference = current / EVALUATION if _evaluated_with(current, settings) else current
+        decision["current_evaluation"] = "reused" if reference != current else "decoded"
+        result = compare([reference, draft], out / "compare", verifier=verifier, prompts=prompts, k=k,
                          max_new_tokens=max_new_tokens, max_prompts=max_prompts, dtype=dtype, device=device,
                          confidence=confidence, margin=margin, resamples=resamples, seed=seed,
                          trust_remote_code=trust_remote_code)
@@ -106,10 +111,42 @@ def promote(
         validated = ({"acceptance_length": decision["tau_new"], "k": k, "num_prompts": result["prompts"],
                       "prompts": prompts, "verifier_id": result["verifier_id"]} if "tau_new" in decision else None)
         decision["previous"] = str(current.resolve()) if current is not None else None  # before the swap
-        decision["release"] = str(_install(draft, deploy, fingerprint, validated))
+        evaluation = None
+        if "tau_new" in decision:
+            evaluation = (out / "compare" / "drafts" / _folder_name(result["names"][1]) / "results.json", settings)
+        decision["release"] = str(_install(draft, deploy, fingerprint, validated, evaluation))
     log.info("promote: %s %s (%s)", draft, "promoted" if decision["promoted"] else "not promoted", decision["reason"])
     write_json_atomic(out / "summary.json", decision)
     return decision
+
+
+EVALUATION = "evaluation"  # in a release: the decoding promote validated it with (results.json, settings.json)
+
+
+def _evaluation_settings(verifier: str, prompts: str, max_prompts: int | None, max_new_tokens: int, k: int | None,
+                         dtype: str, device: str) -> dict[str, Any]:
+    """What a decoding's per-prompt counts depend on: another decoding with the same settings counts the same."""
+    from tiny_speculators import __version__
+    from tiny_speculators.verifier.fingerprint import verifier_fingerprint
+
+    prompt_file = Path(prompts)
+    return {"verifier": verifier_fingerprint(verifier), "prompts": prompts,
+            "prompts_sha256": hashlib.sha256(prompt_file.read_bytes()).hexdigest() if prompt_file.is_file() else None,
+            "max_prompts": max_prompts, "max_new_tokens": max_new_tokens, "k": k, "dtype": dtype,
+            "device": device, "tiny_speculators": __version__}
+
+
+def _evaluated_with(current: Path, settings: dict[str, Any]) -> bool:
+    path = current / EVALUATION / "settings.json"
+    try:
+        return path.is_file() and (current / EVALUATION / "results.json").is_file() and \
+            json.loads(path.read_text(encoding="utf-8")) == settings
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def _folder_name(name: str) -> str:
+    return name.replace("/", "-").replace(":", "-")  # how compare names the folder of a draft it decoded
 
 
 def _current(deploy: Path) -> Path | None:
@@ -130,13 +167,14 @@ def _current(deploy: Path) -> Path | None:
 def _fingerprint(folder: Path) -> str:
     h = hashlib.sha256()
     for p in sorted(q for q in folder.rglob("*") if q.is_file()):
-        if p.name == "summary.json":  # the export's own record: paths that differ between runs
+        if p.name == "summary.json" or p.relative_to(folder).parts[0] == EVALUATION:  # records, not the draft
             continue
         h.update(str(p.relative_to(folder)).encode() + b"\0" + p.read_bytes())
     return h.hexdigest()[:16]
 
 
-def _install(draft: Path, deploy: Path, fingerprint: str, validated: dict[str, Any] | None) -> Path:
+def _install(draft: Path, deploy: Path, fingerprint: str, validated: dict[str, Any] | None,
+             evaluation: tuple[Path, dict[str, Any]] | None) -> Path:
     """Copy ``draft`` into a new release (recording the τ it was validated at, when promote measured it) and point
     ``current`` at it, ``previous`` at the release it replaces."""
     releases = deploy / "releases"
@@ -149,6 +187,10 @@ def _install(draft: Path, deploy: Path, fingerprint: str, validated: dict[str, A
         record = partial / "summary.json"
         summary = json.loads(record.read_text(encoding="utf-8")) if record.is_file() else {}
         write_json_atomic(record, {**summary, "validated": validated})
+    if evaluation is not None and evaluation[0].is_file():
+        (partial / EVALUATION).mkdir(exist_ok=True)
+        shutil.copy2(evaluation[0], partial / EVALUATION / "results.json")
+        write_json_atomic(partial / EVALUATION / "settings.json", evaluation[1])
     partial.rename(release)
     current = deploy / "current"
     if current.is_symlink():
