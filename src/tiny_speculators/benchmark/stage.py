@@ -45,7 +45,7 @@ from tiny_speculators.serving import (
 from tiny_speculators.verifier.embedded import EMBEDDED
 from tiny_speculators.verifier.load import resolve_verifier
 
-__all__ = ["benchmark"]
+__all__ = ["benchmark", "request_json"]
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def serving_verifier(verifier: str | None, recorded: str | None) -> str:
     return resolve_verifier(name)
 
 
-def _get_json(url: str, what: str, timeout: float = 10.0, body: dict[str, Any] | None = None) -> Any:
+def request_json(url: str, what: str, timeout: float = 10.0, body: dict[str, Any] | None = None) -> Any:
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
@@ -106,7 +106,7 @@ def _get_json(url: str, what: str, timeout: float = 10.0, body: dict[str, Any] |
 
 def served_model(url: str, what: str) -> str:
     """The model id an OpenAI-compatible server serves (its first /v1/models entry)."""
-    models = _get_json(url.rstrip("/").removesuffix("/v1") + "/v1/models", what)
+    models = request_json(url.rstrip("/").removesuffix("/v1") + "/v1/models", what)
     try:
         return str(models["data"][0]["id"])
     except (KeyError, IndexError, TypeError):
@@ -115,7 +115,7 @@ def served_model(url: str, what: str) -> str:
 
 def warm_up(url: str, model: str, what: str, timeout: float) -> None:
     """One short greedy request (first-request allocations stay out of the measurement)."""
-    _get_json(url.rstrip("/").removesuffix("/v1") + "/v1/chat/completions", what, timeout=timeout,
+    request_json(url.rstrip("/").removesuffix("/v1") + "/v1/chat/completions", what, timeout=timeout,
               body={"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4,
                     "temperature": 0.0})
 

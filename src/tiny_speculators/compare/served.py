@@ -11,16 +11,13 @@ draft, from the vLLM environment, stopped at the end, also on error) or one alre
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from tiny_speculators.benchmark.metrics import ServerCounters, fetch_metrics, server_counters
-from tiny_speculators.benchmark.stage import read_draft, served_model, serving_verifier
+from tiny_speculators.benchmark.stage import read_draft, request_json, served_model, serving_verifier
 from tiny_speculators.errors import UserError
 from tiny_speculators.evaluate.prompts import Prompt, load_prompts, render_prompt
 from tiny_speculators.serving import VllmServer, default_vllm_venv, sigterm_as_exit, vllm_python
@@ -99,13 +96,5 @@ def _settled(url: str, before: ServerCounters, generated: int, wait: float = 30.
 
 def _complete(url: str, model: str, ids: list[int], max_new_tokens: int, timeout: float) -> dict[str, Any]:
     body = {"model": model, "prompt": ids, "max_tokens": max_new_tokens, "temperature": 0.0}
-    request = urllib.request.Request(url.rstrip("/").removesuffix("/v1") + "/v1/completions",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read().decode("utf-8"))
-    except urllib.error.HTTPError as e:
-        detail = e.read().decode("utf-8", errors="replace")[:200].replace("\n", " ")
-        raise UserError(f"{url}/v1/completions answered HTTP {e.code} ({detail})") from None
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise UserError(f"{url}/v1/completions does not answer ({getattr(e, 'reason', e)})") from None
+    return request_json(url.rstrip("/").removesuffix("/v1") + "/v1/completions", "compare", timeout=timeout,
+                        body=body)
