@@ -38,12 +38,11 @@ def served_results(draft: Path, name: str, out: Path, verifier: str | None, *, e
     tokenizer = load_tokenizer(verifier_path)
     chosen = load_prompts(prompts, max_prompts)
     rendered = [render_prompt(p, tokenizer) for p in chosen]
+    served_k = k or info["k"]  # a running server's own k is not ours to set: the draft's, for the record
     if endpoint is not None:
         rows = _measure(endpoint, served_model(endpoint, f"--endpoints {endpoint}"), chosen, rendered,
                         max_new_tokens, timeout)
-        served_k = k or info["k"]
     else:
-        served_k = k or info["k"]
         venv = Path(vllm_venv).expanduser() if vllm_venv is not None else default_vllm_venv()
         log_path = out / "logs" / f"{name.replace('/', '-')}-server.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -346,22 +346,22 @@ def extract(
             if backend == "vllm" else TargetHead(parts.norm, parts.lm_head))
     guard = Guard(aux_ids, hidden, head, default_agreement(dtype) if guard_agreement is None else guard_agreement)
     # with --reuse, the shards copied whole come first: a kill while the others compute keeps them
-    copied = [] if index is None else [k for k in mine if index.covers(dataset[plan[k]["start"]:plan[k]["end"]][
-        "input_ids"])]
-    to_compute = [k for k in mine if k not in set(copied)]
+    copied = set() if index is None else {k for k in mine if index.covers(dataset[plan[k]["start"]:plan[k]["end"]][
+        "input_ids"])}
+    to_compute = [k for k in mine if k not in copied]
     with contextlib.ExitStack() as stack:  # holds the vLLM worker, if any
         if backend == "vllm" and to_compute:
             run = _vllm_source(stack, vllm_py, source, head, aux_ids, parts, store, dtype, device, out, rank_,
                                max(lengths) + 1, max_tokens_per_batch, enforce_eager, trust_remote_code)
         else:
             run = _hf_source(model, parts, aux_ids, store, device, max_tokens_per_batch, store_dtype)
-        if index is not None:
-            run = index.wrap(run)
+        groups = [(to_compute, run)] if index is None else [
+            (sorted(copied), index.copies), (to_compute, index.wrap(run))]
         written, seconds = [], 0.0
-        for group in (copied, to_compute):
+        for group, source_of in groups:
             if group:
-                done, took = _write_shards(ShardWriter(out, rank_, store, n_aux), run, shard_records, plan, group,
-                                           rank_, progress, guard)
+                done, took = _write_shards(ShardWriter(out, rank_, store, n_aux), source_of, shard_records, plan,
+                                           group, rank_, progress, guard)
                 written, seconds = written + done, seconds + took
     manifest = merge_manifest(out)
     summary = {

@@ -9,7 +9,8 @@ the earlier folder count (an interrupted one's finished shards too). The shard e
 the samples they reused (``reused``: positions within the shard), which ``train --replay`` reads.
 
     index = ReuseIndex.open(Path("runs/extract.previous"), settings)
-    run = index.wrap(run)   # a Source that computes only what the index lacks
+    index.copies            # a Source for shards it holds whole
+    run = index.wrap(run)   # a Source for the others: it computes only what the index lacks
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ __all__ = ["REUSED", "ReuseIndex", "sample_key"]
 
 log = logging.getLogger(__name__)
 
+# a shard's tensor -> the name a sample dict gives it (what encode_shard packs)
+_SAMPLE_NAMES = {"aux_hidden_states": "aux", "aux_scales": "aux_scales", "last_hidden_state": "last",
+                 "target_topk_ids": "topk_ids", "target_topk_logits": "topk_logits", "target_logsumexp": "logsumexp"}
 # what the two extractions must share for a stored sample to be what this one would compute
 _DATASET_KEYS = ("dataset",)
 
@@ -99,43 +103,36 @@ class ReuseIndex:
             handle = self._handles[path] = safe_open(str(path), framework="pt")
         sample = {"input_ids": torch.tensor(records["input_ids"][i], dtype=torch.long),
                   "loss_mask": torch.tensor(records["loss_mask"][i], dtype=torch.uint8), REUSED: True}
-        names = {"aux_hidden_states": "aux", "aux_scales": "aux_scales", "last_hidden_state": "last",
-                 "target_topk_ids": "topk_ids", "target_topk_logits": "topk_logits", "target_logsumexp": "logsumexp"}
-        for stored, name in names.items():
+        for stored, name in _SAMPLE_NAMES.items():
             if stored in handle.keys():  # noqa: SIM118 (a safetensors handle has keys(), not __contains__)
                 sample[name] = handle.get_slice(stored)[a:b]
         return sample
 
+    def copies(self, shards: Iterable[dict[str, list]]) -> Iterator[list[dict[str, torch.Tensor]]]:
+        """A source (see ``extract.Source``) for shards this index holds whole: their samples, copied."""
+        for records in shards:
+            taken = [self.take(records, i) for i in range(len(records["input_ids"]))]
+            if any(t is None for t in taken):
+                raise RuntimeError("a shard to copy holds a sample the earlier extraction does not")
+            self.reused += len(taken)
+            yield taken  # type: ignore[misc]
+
     def wrap(self, run):
-        """A source (see ``extract.Source``) that takes what this index holds and hands only the other samples of
-        each shard to ``run``; shards come out in order, each sample in its place."""
+        """A source (see ``extract.Source``) for shards with samples to compute: it takes what this index holds
+        and hands only the others to ``run`` (one batch per shard, so its results come back shard by shard, in
+        order); each sample comes out in its place."""
         def source(shards: Iterable[dict[str, list]]) -> Iterator[list[dict[str, torch.Tensor]]]:
-            split: deque[tuple[list[dict | None], dict[str, list]]] = deque()
+            taken_per_shard: deque[list[dict | None]] = deque()
 
             def to_compute() -> Iterator[dict[str, list]]:
                 for records in shards:
                     taken = [self.take(records, i) for i in range(len(records["input_ids"]))]
-                    self.reused += sum(s is not None for s in taken)
-                    rest = [i for i, s in enumerate(taken) if s is None]
-                    split.append((taken, {k: [v[i] for i in rest] for k, v in records.items()}))
-                    if rest:
-                        yield split[-1][1]
+                    self.reused += sum(t is not None for t in taken)
+                    taken_per_shard.append(taken)
+                    yield {k: [v[i] for i, t in enumerate(taken) if t is None] for k, v in records.items()}
 
-            computed = run(to_compute())
-            while True:
-                while split and all(s is not None for s in split[0][0]):
-                    yield split.popleft()[0]  # type: ignore[misc]
-                if split:  # the oldest shard has samples to compute: they are the next the source gives
-                    yield _merge(split.popleft()[0], next(computed))
-                    continue
-                fresh = next(computed, None)  # advances to_compute, which fills `split`
-                if fresh is None:
-                    while split:  # the trailing shards that needed nothing computed
-                        yield split.popleft()[0]  # type: ignore[misc]
-                    return
-                while all(s is not None for s in split[0][0]):
-                    yield split.popleft()[0]  # type: ignore[misc]
-                yield _merge(split.popleft()[0], fresh)
+            for fresh in run(to_compute()):
+                yield _merge(taken_per_shard.popleft(), fresh)
 
         return source
 
