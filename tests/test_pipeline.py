@@ -395,18 +395,23 @@ def test_synthesized_prompts_feed_regenerate_with_or_without_user_data(tiny_conf
     _edit(tiny_config, "regenerate", max_records=None)
     config = yaml.safe_load(tiny_config.read_text())
     config["verifier"] = "smollm2-135m"
-    config["synthesize"] = {**SHORT["synthesize"], "max_prompt_tokens": 40, "seed": 1}
+    options = {k: v for k, v in SHORT["synthesize"].items() if k != "count"}
+    config["synthesize"] = {**options, "max_prompt_tokens": 40, "seed": 1, "ratio": 0.3}  # of 6 records: keep 2
     tiny_config.write_text(yaml.safe_dump(config))
     run = Path(pipeline(tiny_config, until_stage="regenerate")["run_dir"])
-    synthesized = json.loads((run / "synthesize" / "summary.json").read_text())["kept"]
-    assert synthesized >= 1
+    summary = json.loads((run / "synthesize" / "summary.json").read_text())
+    assert summary["keep"] == summary["kept"] == 2 and summary["count"] == 8
     answered = json.loads((run / "regenerate" / "summary.json").read_text())
-    assert answered["kept"] == 6 + synthesized
+    assert answered["kept"] == 6 + 2
     del config["regenerate"]["data"]
+    tiny_config.write_text(yaml.safe_dump(config))
+    with pytest.raises(UserError, match=r"\[synthesize\]: ratio counts regenerate's data, which it has none of"):
+        pipeline(tiny_config, until_stage="regenerate")
+    config["synthesize"] = {**options, "max_prompt_tokens": 40, "seed": 1, "keep": 2, "count": 8}  # what ratio set
     tiny_config.write_text(yaml.safe_dump(config))
     alone = pipeline(tiny_config, until_stage="regenerate")
     assert alone["actions"] == {"synthesize": "skipped", "regenerate": "ran (incremental)"}
-    assert json.loads((run / "regenerate" / "summary.json").read_text())["kept"] == synthesized
+    assert json.loads((run / "regenerate" / "summary.json").read_text())["kept"] == 2
     del config["synthesize"]
     tiny_config.write_text(yaml.safe_dump(config))
     with pytest.raises(UserError, match="'regenerate' needs 'data'"):

@@ -5,7 +5,8 @@ own options (the same keys as its CLI flags)::
 
     run_dir: runs/smollm2-135m
     verifier: smollm2-135m
-    synthesize: {count: 2000}           # optional: prompts the verifier writes itself, answered by regenerate
+    synthesize: {count: 2000}           # optional: prompts the verifier writes itself, answered by regenerate;
+                                        # {ratio: 1.0}: as many as regenerate's data has records
     regenerate: {data: [builtin:train], max_new_tokens: 96}   # optional (data optional with synthesize)
     prepare: {max_length: 512}          # takes `data` itself when there is no regenerate section
     vocab: {size: 8192}
@@ -139,6 +140,29 @@ class PipelinePlan:
     stages: dict[str, StagePlan]
 
 
+def _synthesize_ratio(section: dict[str, Any], data: list[Path], config: Path) -> None:
+    """``synthesize.ratio``: synthesized prompts per record of regenerate's data, turned into the stage's ``keep``
+    (and, unless given, a ``count`` of four times that to sample from: the filters drop a fifth of SmolLM2's)."""
+    if "ratio" not in section:
+        return
+    ratio = section.pop("ratio")
+    if "keep" in section:
+        raise UserError(f"{config} [synthesize]: give ratio or keep, not both")
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or ratio <= 0:
+        raise UserError(f"{config} [synthesize]: ratio must be a number above 0 (synthesized prompts per record "
+                        f"of regenerate's data), not {ratio!r}")
+    if not data:
+        raise UserError(f"{config} [synthesize]: ratio counts regenerate's data, which it has none of: give count "
+                        "(or keep) instead")
+    from tiny_speculators.data.readers import read_records
+
+    records = sum(r.error is None for r in read_records(data))
+    section["keep"] = max(1, round(ratio * records))
+    section.setdefault("count", 4 * section["keep"])
+    log.info("synthesize: ratio %s of %d records: %d prompts kept, at most %d sampled", ratio, records,
+             section["keep"], section["count"])
+
+
 def _resolve_data(values: Any, base: Path, where: str) -> list[Path]:
     """Data paths: ``builtin:NAME``, files and folders (relative to ``base``), and glob patterns (``logs/*.jsonl``,
     sorted; a pattern that matches nothing is an error), so that new files dropped into a folder are picked up."""
@@ -223,12 +247,14 @@ def plan_pipeline(raw: dict[str, Any], source: str = "pipeline config") -> Pipel
         kwargs = bind(func, values, source=f"{config} [{name}]")
         stages[name] = StagePlan(name, kwargs, options, upstream, external, out)
 
-    if has_synth:  # the verifier's own prompts, answered by regenerate with (or without) the user's data
-        add("synthesize", {"verifier": verifier}, [], [])
-        from tiny_speculators.data.synthesize import OUTPUT_FILE as SYNTHESIZED
     if has_regen:
         given = sections["regenerate"].pop("data", [])
         data = _resolve_data(given, base, f"{config} [regenerate]") if given else []
+    if has_synth:  # the verifier's own prompts, answered by regenerate with (or without) the user's data
+        _synthesize_ratio(sections["synthesize"], data, config)
+        add("synthesize", {"verifier": verifier}, [], [])
+        from tiny_speculators.data.synthesize import OUTPUT_FILE as SYNTHESIZED
+    if has_regen:
         synthesized = [run_dir / "synthesize" / SYNTHESIZED] if has_synth else []
         add("regenerate", {"verifier": verifier, "data": data + synthesized}, ["synthesize"] if has_synth else [],
             data)
@@ -433,7 +459,8 @@ def pipeline(
         run_dir: Run directory: one folder per stage plus pipeline.json.
         verifier: The verifier: a Hugging Face id, a local folder, or smollm2-135m.
         synthesize: Options of the synthesize stage (optional section: prompts the verifier writes, which
-            regenerate answers with its own data, or alone).
+            regenerate answers with its own data, or alone); plus ratio: synthesized prompts per record of
+            regenerate's data (the stage's keep; count, unless given, four times that).
         regenerate: Options of the regenerate stage (optional section; it takes `data`).
         prepare: Options of the prepare stage (takes `data` when there is no regenerate section).
         vocab: Options of the vocab stage.

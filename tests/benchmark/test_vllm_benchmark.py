@@ -192,6 +192,18 @@ def _synthesize_through_the_running_server(url: str, tmp_path: Path) -> None:
     kept = [json.loads(line) for line in (tmp_path / "synth" / "prompts.jsonl").read_text().splitlines()]
     assert len(kept) == summary["kept"] >= 1 and all(r["messages"][-1]["content"].strip() for r in kept)
     assert not any("<|im_end|>" in r["messages"][-1]["content"] for r in kept)
+    # multi-turn, until 2 chats are kept: the verifier answers (greedy, 8 tokens) and writes the next user turn
+    summary = synthesize("smollm2-135m", tmp_path / "turns", count=16, keep=2, turns=2, max_answer_tokens=8,
+                         backend="endpoint", endpoint=url, batch_size=4, max_prompt_tokens=48)
+    chats = [json.loads(line) for line in (tmp_path / "turns" / "prompts.jsonl").read_text().splitlines()]
+    assert summary["kept"] == len(chats) == 2 and summary["sampled"] % 4 == 0
+    assert summary["kept"] + sum(n for r, n in summary["dropped"].items() if not r.startswith("follow-up")) == \
+        summary["sampled"]
+    items = [item for line in (tmp_path / "turns" / "partial.jsonl").read_text().splitlines()
+             for item in json.loads(line)["items"] if item.get("more")]
+    assert items and all(0 < m["answer_tokens"] <= 8 and m["answer"] for i in items for m in i["more"])
+    for chat in chats:
+        assert [m["role"] for m in chat["messages"]] in (["user"], ["user", "assistant", "user"])
 
 
 def _chat(url: str, temperature: float, prompts: list[str]) -> None:

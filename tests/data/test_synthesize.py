@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tiny_speculators.data.dedup import Contamination, NearDuplicates, looping
-from tiny_speculators.data.synthesize import _evaluation_texts, _filter, synthesize, user_turn_prefix
+from tiny_speculators.data.synthesize import _evaluation_texts, _Filters, synthesize, user_turn_prefix
 from tiny_speculators.errors import UserError
 
 FAST = dict(backend="transformers", count=10, batch_size=4, max_prompt_tokens=6, min_words=0, device="cpu")
@@ -45,12 +45,19 @@ def test_each_filter_drops_for_its_reason():
         ("", False), ("What is the capital", True), ("Hi", False), ("word " * 300, False),
         ("the cat the cat the cat the cat the cat", False), (builtin[0], False), ("Tell me about Rome.", False),
         ("tell me about rome", False), ("Give me three tips for sleeping better.", False), ("An example seed.", False)]]
-    kept, dropped, examples = _filter(raw, min_words=3, max_words=200, near_duplicate=0.7,
-                                      seeds=["An example seed."], evaluation=builtin)
-    assert [i for i, _ in kept] == [6, 8]
-    assert dropped == {"empty": 1, "truncated": 1, "too short": 1, "too long": 1, "degenerate": 1,
-                       "evaluation overlap": 1, "duplicate": 2}
-    assert set(examples) == set(dropped)
+    raw[8]["more"] = [{"answer": "Sure.", "answer_tokens": 2, "text": "And for waking up?", "tokens": 5,
+                       "truncated": False},
+                      {"answer": "Yes.", "answer_tokens": 2, "text": builtin[1], "tokens": 9, "truncated": False},
+                      {"answer": "No.", "answer_tokens": 2, "text": "More?", "tokens": 2, "truncated": False}]
+    filters = _Filters(min_words=3, max_words=200, near_duplicate=0.7, seeds=["An example seed."], evaluation=builtin)
+    filters.feed(raw[:5], start=0)
+    filters.feed(raw[5:], start=5)
+    assert [i for i, _ in filters.kept] == [6, 8]
+    # a follow-up turn that fails a filter ends its chat there: the turns before it are kept
+    assert filters.kept[1][1] == ["Give me three tips for sleeping better.", "Sure.", "And for waking up?"]
+    assert filters.dropped == {"empty": 1, "truncated": 1, "too short": 1, "too long": 1, "degenerate": 1,
+                               "evaluation overlap": 1, "duplicate": 2, "follow-up: evaluation overlap": 1}
+    assert set(filters.examples) == set(filters.dropped)
 
 
 def test_the_stage_counts_reproduces_and_resumes(tmp_path, tiny_llama_dir):
@@ -86,3 +93,24 @@ def test_bad_options_are_one_line(tmp_path, tiny_llama_dir):
     with pytest.raises(UserError, match="--seed-prompts .*holds no prompts"):
         (tmp_path / "empty.txt").write_text("\n")
         synthesize(str(tiny_llama_dir), tmp_path / "x", seed_prompts=tmp_path / "empty.txt", **FAST)
+
+
+
+def test_local_completions_of_prompts_of_different_lengths_are_each_their_own(tiny_llama_dir, smollm2_tokenizer):
+    """Follow-up turns are asked in batches of chats of different lengths (left padding): greedy, each prompt's
+    completion equals the one it gets alone."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny_speculators.data.completions import LocalCompleter
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    end = smollm2_tokenizer("<|im_end|>", add_special_tokens=False)["input_ids"]
+    complete = LocalCompleter(model, smollm2_tokenizer, 1.0, end, "cpu", seed=0)
+    prompts = [user_turn_prefix(smollm2_tokenizer, None)[0],
+               user_turn_prefix(smollm2_tokenizer, "Be brief.", [{"role": "user", "content": "Hi there"},
+                                                                {"role": "assistant", "content": "Hello!"}])[0]]
+    assert len(prompts[0]) < len(prompts[1])
+    together = complete(prompts, 0.0, 6)
+    assert together == [complete([p], 0.0, 6)[0] for p in prompts]
+    assert all(item["tokens"] == 6 and item["truncated"] for item in together)
+

@@ -70,6 +70,10 @@ def test_prompt_files_and_errors(tmp_path, tiny_llama_dir, random_checkpoint):
     prompts = load_prompts(str(f))
     assert [p.id for p in prompts] == ["p-1", "x"] and prompts[1].messages[0]["role"] == "system"
     assert len(load_prompts("builtin")) >= 36 and len(load_prompts("code,math", max_prompts=5)) == 5
+    user = load_prompts("user")  # the second held-out set: by name, not in "builtin"
+    assert len(user) >= 24 and not {p.id for p in user} & {p.id for p in load_prompts("builtin")}
+    both = [p.id for p in load_prompts("builtin,user")]  # every set named, interleaved
+    assert both[:4] == ["chat-00", "code-00", "math-00", "user-00"] and len(both) == len(load_prompts("builtin")) + 24
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"messages": [{"role": "assistant", "content": "x"}]}\n')
     with pytest.raises(UserError, match="bad.jsonl line 2"):

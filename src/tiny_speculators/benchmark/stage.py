@@ -177,8 +177,8 @@ def benchmark(
         out: output folder for results.json, summary.json, benchmark.png and the logs.
         verifier: the verifier to serve (an embedded name such as smollm2-135m, a local folder or a Hugging
             Face id); default: the one the draft records.
-        prompts: a built-in set (builtin = all, chat, code, math) or a JSONL file of {"prompt"} / {"messages"};
-            cycled when there are fewer prompts than requests.
+        prompts: built-in sets (builtin = chat, code and math interleaved; user; several comma-joined) or a
+            JSONL file of {"prompt"} / {"messages"}; cycled when there are fewer prompts than requests.
         concurrency: concurrent request streams; GuideLLM runs once per value.
         requests: requests per concurrency (the bound on each GuideLLM run).
         output_tokens: tokens generated per request (greedy, EOS ignored: equal work with and without draft).

@@ -64,7 +64,8 @@ def compare(
             outputs) to evaluate here; the first is the reference A.
         out: output folder: compare.json, summary.json, compare.png, and drafts/ with the evaluations run here.
         verifier: the verifier, for drafts that are evaluated here (not needed for evaluate output folders).
-        prompts: the prompts drafts are evaluated on here: a built-in set (builtin, chat, code, math) or a JSONL file.
+        prompts: the prompts drafts are evaluated on here: built-in sets (builtin, user, chat, code, math;
+            comma-joined) or a JSONL file.
         k: draft tokens per verification step for drafts evaluated here (default: what each draft records).
         max_new_tokens: generation length per prompt for drafts evaluated here.
         max_prompts: evaluate only the first N prompts.

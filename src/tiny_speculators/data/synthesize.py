@@ -11,6 +11,15 @@ within ``--max-prompt-tokens``); ``too short`` / ``too long`` (``--min-words`` /
 prompt or an ``--exclude`` file: the drafts are judged on those); ``duplicate`` (the same words as, or a word-3-gram
 Jaccard similarity of at least ``--near-duplicate`` with, a prompt kept before it, or a ``--seed-prompts`` line).
 
+``--keep N`` stops once N prompts are kept (``--count`` is then the most it samples); blocks are drawn and filtered
+in order, so the kept prompts are the first N a run of ``--count`` would keep.
+
+``--turns T`` (multi-turn): for each prompt the verifier also answers (greedy, at most ``--max-answer-tokens``) and
+writes the user's next turn from the template's user-turn prefix after that answer, T user turns in all. A follow-up
+turn goes through the same filters (not the duplicate one); from the first that fails, the rest of that chat is left
+off and counted under ``follow-up: REASON``. The records keep the answers, which ``regenerate`` writes again with its
+own settings (greedy, its token budget): a follow-up was written against an answer the verifier itself gave.
+
 ``--system-prompt`` and ``--seed-prompts`` steer the domain: the system prompt is rendered into the user-turn prefix
 (and kept in the written records, so the answers see it too); seed prompts are listed in it as examples.
 
@@ -31,8 +40,6 @@ import json
 import logging
 import os
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
@@ -40,6 +47,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tiny_speculators.atomic import atomic_write, write_json_atomic
+from tiny_speculators.data.completions import LocalCompleter, ServedCompleter, served_model
 from tiny_speculators.data.dedup import Contamination, NearDuplicates, looping, words
 from tiny_speculators.errors import UserError
 from tiny_speculators.tables import print_summary_table
@@ -53,12 +61,13 @@ PARTIAL_FILE = "partial.jsonl"
 SENTINEL = "\u2063USER-TURN\u2063"  # a text no template writes itself
 
 
-def user_turn_prefix(tokenizer, system_prompt: str | None) -> tuple[list[int], str]:
-    """The token ids of the chat template up to where a user's words go (after ``system_prompt``, if any), and the
-    text that ends a user turn (what generation stops at)."""
+def user_turn_prefix(tokenizer, system_prompt: str | None,
+                     history: list[dict[str, str]] | None = None) -> tuple[list[int], str]:
+    """The token ids of the chat template up to where a user's words go (after ``system_prompt``, if any, and the
+    turns of ``history``), and the text that ends a user turn (what generation stops at)."""
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("the verifier's tokenizer has no chat template: there is no user turn to start")
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + list(history or []) + [
         {"role": "user", "content": SENTINEL}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     if SENTINEL not in text:
@@ -72,6 +81,9 @@ def synthesize(
     verifier: str,
     out: Path,
     count: int = 1000,
+    keep: int | None = None,
+    turns: int = 1,
+    max_answer_tokens: int = 256,
     backend: Literal["vllm", "transformers", "endpoint"] = "vllm",
     endpoint: str | None = None,
     temperature: float = 1.0,
@@ -96,7 +108,10 @@ def synthesize(
     Args:
         verifier: the verifier: an embedded name (smollm2-135m), a local folder or a Hugging Face id.
         out: output folder: prompts.jsonl, summary.json (counts kept and dropped by reason, samples), lengths.png.
-        count: prompts to sample (before filtering).
+        count: prompts to sample (before filtering); with keep, the most to sample.
+        keep: stop once this many prompts are kept (default: keep every one that passes the filters).
+        turns: user turns per chat: above 1, the verifier answers each turn (greedy) and writes the next one.
+        max_answer_tokens: longest answer in tokens the follow-up turns are written against (turns above 1).
         backend: vllm (a vllm serve of the verifier this stage starts and stops; in-process when the vLLM
             environment cannot be built), transformers (in this process) or endpoint (a running vLLM server).
         endpoint: the running vLLM server of the verifier (http://HOST:PORT), for backend endpoint: its
@@ -122,6 +137,9 @@ def synthesize(
         trust_remote_code: allow the verifier's own code from the hub.
     """
     _check(count, temperature, top_p, max_prompt_tokens, min_words, max_words, near_duplicate, batch_size)
+    for name, value in (("keep", keep), ("turns", turns), ("max_answer_tokens", max_answer_tokens)):
+        if value is not None and value < 1:
+            raise UserError(f"{name} must be at least 1, not {value}")
     if (endpoint is not None) != (backend == "endpoint"):
         raise UserError("--endpoint goes with --backend endpoint, and --backend endpoint needs --endpoint")
     from tiny_speculators.verifier.load import load_tokenizer, verifier_id
@@ -135,39 +153,50 @@ def synthesize(
     prefix, end = user_turn_prefix(tokenizer, system)
     settings = {"verifier_id": verifier_id(verifier), "backend": backend, "temperature": temperature, "top_p": top_p,
                 "max_prompt_tokens": max_prompt_tokens, "system": system, "seed": seed, "batch_size": batch_size,
-                "dtype": dtype}
+                "dtype": dtype, **({"turns": turns, "max_answer_tokens": max_answer_tokens} if turns > 1 else {})}
     done = _journal(out, settings)
-    blocks = [list(range(b, min(b + batch_size, count))) for b in range(0, count, batch_size)]
-    todo = [i for i, block in enumerate(blocks) if i not in done]
-    log.info("synthesize: %d prompts in %d blocks (%d already done), backend %s", count, len(blocks),
-             len(blocks) - len(todo), backend)
-    if todo:
-        with contextlib.ExitStack() as stack:
-            draw = _drawer(stack, backend, verifier, out, prefix, end, tokenizer, settings, device, vllm_venv, port,
-                           trust_remote_code, endpoint)
-            with (out / PARTIAL_FILE).open("a", encoding="utf-8") as journal:
-                for b in todo:
-                    items = draw(b, len(blocks[b]))
-                    journal.write(json.dumps({"block": b, "items": items}) + "\n")
-                    journal.flush()
-                    os.fsync(journal.fileno())
-                    done[b] = items
-    raw = [item for b in range(len(blocks)) for item in done[b]][:count]
-    kept, dropped, examples = _filter(raw, min_words, max_words, near_duplicate, seeds, _evaluation_texts(exclude))
-    records = [{"id": f"synth-{i:06d}", "messages": ([{"role": "system", "content": system_prompt}]
-                                                      if system_prompt else []) + [{"role": "user", "content": text}]}
-               for i, text in kept]
+    sizes = [min(batch_size, count - b) for b in range(0, count, batch_size)]
+    log.info("synthesize: %d prompts in %d blocks (%d already done), backend %s%s", count, len(sizes),
+             sum(b in done for b in range(len(sizes))), backend, f", until {keep} are kept" if keep else "")
+    filters = _Filters(min_words, max_words, near_duplicate, seeds, _evaluation_texts(exclude))
+    raw: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        complete = journal = None
+        for b, size in enumerate(sizes):
+            if keep is not None and len(filters.kept) >= keep:
+                break
+            if b not in done:
+                if complete is None:
+                    complete = _completer(stack, backend, verifier, out, end, tokenizer, settings, device, vllm_venv,
+                                          port, trust_remote_code, endpoint)
+                    journal = stack.enter_context((out / PARTIAL_FILE).open("a", encoding="utf-8"))
+                done[b] = _draw(complete, b, size, prefix, tokenizer, system, settings)
+                journal.write(json.dumps({"block": b, "items": done[b]}) + "\n")
+                journal.flush()
+                os.fsync(journal.fileno())
+            filters.feed(done[b][:size], start=len(raw))
+            raw.extend(done[b][:size])
+    kept, dropped, examples = filters.kept[:keep], filters.dropped, filters.examples
+    if len(filters.kept) > len(kept):  # the rest of the block that reached --keep: counted, so the counts add up
+        dropped["over --keep"] = len(filters.kept) - len(kept)
+    if keep is not None and len(kept) < keep:
+        log.warning("synthesize: %d prompts kept of the %d asked for after sampling %d (--count): sample more, or "
+                    "loosen the filters", len(kept), keep, len(raw))
+    records = [{"id": f"synth-{i:06d}", "messages": _messages(system_prompt, chat)} for i, chat in kept]
     atomic_write(out / OUTPUT_FILE, lambda tmp: Path(tmp).write_text(
         "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8"))
-    summary = {**settings, "count": count, "kept": len(kept), "dropped": dict(dropped),
-               "tokens_generated": sum(int(item["tokens"]) for item in raw),
-               "words": _quantiles([len(words(t)) for _, t in kept]), "samples": [t for _, t in kept[:5]],
+    firsts = [chat[0] for _, chat in kept]
+    summary = {**settings, "count": count, "keep": keep, "sampled": len(raw), "kept": len(kept),
+               "dropped": dict(dropped), "tokens_generated": sum(_tokens(item) for item in raw),
+               "user_turns": sum(len(chat) // 2 + 1 for _, chat in kept),
+               "words": _quantiles([len(words(t)) for t in firsts]), "samples": firsts[:5],
                "dropped_examples": examples, "output": str(out / OUTPUT_FILE),
                "seconds": round(time.perf_counter() - t0, 1)}
     write_json_atomic(out / "summary.json", summary)
-    _plot(out / "lengths.png", [len(words(t)) for _, t in kept], raw)
+    _plot(out / "lengths.png", [len(words(t)) for t in firsts], raw)
     print_summary_table(f"synthesize -> {out / OUTPUT_FILE}",
-                        [("sampled", str(count)), ("kept", str(len(kept))),
+                        [("sampled", str(len(raw))), ("kept", str(len(kept))),
+                         *([("user turns", str(summary["user_turns"]))] if turns > 1 else []),
                          *((f"dropped: {k}", str(v)) for k, v in sorted(dropped.items())),
                          ("words (median)", str(summary["words"].get("p50", "-")))])
     return summary
@@ -236,63 +265,25 @@ def _journal(out: Path, settings: dict[str, Any]) -> dict[int, list[dict[str, An
     return done
 
 
-def _drawer(stack: contextlib.ExitStack, backend: str, verifier: str, out: Path, prefix: list[int], end: str,
-            tokenizer, settings: dict[str, Any], device: str, vllm_venv: Path | None, port: int | None,
-            trust_remote_code: bool, endpoint: str | None):
-    """A function: block number, size -> that many sampled prompts ({"text", "tokens", "truncated"})."""
+def _completer(stack: contextlib.ExitStack, backend: str, verifier: str, out: Path, end: str, tokenizer,
+               settings: dict[str, Any], device: str, vllm_venv: Path | None, port: int | None,
+               trust_remote_code: bool, endpoint: str | None):
+    """The verifier's completions (``data/completions.py``): a running server, one this stage starts, or this
+    process (also when the vLLM environment cannot be built)."""
     end_ids = tokenizer(end, add_special_tokens=False)["input_ids"]
-    body = {"prompt": prefix, "max_tokens": settings["max_prompt_tokens"], "temperature": settings["temperature"],
-            "top_p": settings["top_p"], **({"stop_token_ids": end_ids} if len(end_ids) == 1 else {"stop": [end]})}
-    if endpoint is not None:
-        url = endpoint.rstrip("/").removesuffix("/v1")
-        pool = stack.enter_context(ThreadPoolExecutor(settings["batch_size"]))
-        request = {**body, "model": _served_model(url)}
-        return lambda block, n: list(pool.map(lambda _: _complete(url, request), range(n)))
-    if backend == "vllm":
-        from tiny_speculators.data.generate import start_vllm, vllm_or_fallback
+    if endpoint is not None or backend == "vllm":
+        url, model = (endpoint, served_model(endpoint)) if endpoint is not None else (None, "verifier")
+        if url is None:
+            from tiny_speculators.data.generate import start_vllm, vllm_or_fallback
 
-        python = vllm_or_fallback(vllm_venv, out, port)
-        if python is not None:
-            server = start_vllm(stack, python, verifier, out, served_model_name="verifier", dtype=settings["dtype"],
-                                seed=settings["seed"], port=port, startup_timeout=900.0,
-                                trust_remote_code=trust_remote_code)
+            python = vllm_or_fallback(vllm_venv, out, port)
+            if python is not None:
+                url = start_vllm(stack, python, verifier, out, served_model_name=model, dtype=settings["dtype"],
+                                 seed=settings["seed"], port=port, startup_timeout=900.0,
+                                 trust_remote_code=trust_remote_code).url
+        if url is not None:
             pool = stack.enter_context(ThreadPoolExecutor(settings["batch_size"]))
-            request = {**body, "model": "verifier"}
-            return lambda block, n: list(pool.map(lambda _: _complete(server.url, request), range(n)))
-    return _in_process(verifier, prefix, end_ids, settings, device, trust_remote_code)
-
-
-def _served_model(url: str) -> str:
-    try:
-        with urllib.request.urlopen(url + "/v1/models", timeout=30) as response:
-            return str(json.loads(response.read().decode("utf-8"))["data"][0]["id"])
-    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as e:
-        raise UserError(f"--endpoint {url}: /v1/models does not name a model ({getattr(e, 'reason', e)})") from None
-
-
-def _complete(url: str, body: dict[str, Any], retries: int = 3) -> dict[str, Any]:
-    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    for attempt in range(retries + 1):
-        try:
-            with urllib.request.urlopen(request, timeout=600) as response:
-                reply = json.loads(response.read().decode("utf-8"))
-            choice = reply["choices"][0]
-            return {"text": choice["text"].strip(), "tokens": int(reply["usage"]["completion_tokens"]),
-                    "truncated": choice.get("finish_reason") == "length"}
-        except urllib.error.HTTPError as e:
-            if e.code < 500 or attempt == retries:
-                raise UserError(f"{url}/v1/completions answered HTTP {e.code}: "
-                                f"{e.read().decode('utf-8', 'replace')[:200]}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-            if attempt == retries:
-                raise UserError(f"{url}/v1/completions is not reachable: {e}") from None
-        time.sleep(0.5 * 2**attempt)
-    raise AssertionError("unreachable")
-
-
-def _in_process(verifier: str, prefix: list[int], end_ids: list[int], settings: dict[str, Any], device: str,
-                trust_remote_code: bool):
+            return ServedCompleter(url, model, settings["top_p"], end, end_ids, pool)
     import torch
 
     from tiny_speculators.verifier.load import load_verifier
@@ -301,26 +292,48 @@ def _in_process(verifier: str, prefix: list[int], end_ids: list[int], settings: 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_verifier(verifier, dtype=settings["dtype"], device=device,
                                      trust_remote_code=trust_remote_code)
-    stops = sorted({*end_ids[-1:], *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])})
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    return LocalCompleter(model, tokenizer, settings["top_p"], end_ids, device, settings["seed"])
 
-    def draw(block: int, n: int) -> list[dict[str, Any]]:
-        torch.manual_seed(settings["seed"] * 1_000_003 + block)  # each block its own stream: a resume draws the same
-        ids = torch.tensor([prefix] * n, device=device)
-        with torch.inference_mode():
-            generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                       temperature=settings["temperature"], top_p=settings["top_p"], top_k=0,
-                                       max_new_tokens=settings["max_prompt_tokens"], eos_token_id=stops,
-                                       pad_token_id=pad)[:, len(prefix):].tolist()
-        items = []
-        for row in generated:
-            cut = next((j for j, t in enumerate(row) if t in stops), None)
-            body = row if cut is None else row[:cut]
-            items.append({"text": tokenizer.decode(body, skip_special_tokens=True).strip(), "tokens": len(body),
-                          "truncated": cut is None})
-        return items
 
-    return draw
+def _draw(complete, block: int, size: int, prefix: list[int], tokenizer, system: str | None,
+          settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """One block of ``size`` chats: the first user turns, then (``turns`` above 1) for each chat whose last user
+    turn ended, the verifier's greedy answer and the next user turn, under ``"more"``."""
+    complete.start_block(block)
+    temperature, budget = settings["temperature"], settings["max_prompt_tokens"]
+    items = complete([prefix] * size, temperature, budget)
+    for _ in range(1, settings.get("turns", 1)):
+        open_ = [i for i, item in enumerate(items) if not _last(item)["truncated"] and _last(item)["text"]]
+        if not open_:
+            break
+        chats = [_messages(system, _chat(items[i])) for i in open_]
+        asked = [tokenizer(tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                           add_special_tokens=False)["input_ids"] for c in chats]
+        answers = complete(asked, 0.0, settings["max_answer_tokens"])
+        nexts = [user_turn_prefix(tokenizer, None, [*c, {"role": "assistant", "content": a["text"]}])[0]
+                 for c, a in zip(chats, answers, strict=True)]
+        for i, a, turn in zip(open_, answers, complete(nexts, temperature, budget), strict=True):
+            items[i].setdefault("more", []).append({"answer": a["text"], "answer_tokens": a["tokens"], **turn})
+    return items
+
+
+def _last(item: dict[str, Any]) -> dict[str, Any]:
+    return item["more"][-1] if item.get("more") else item
+
+
+def _chat(item: dict[str, Any]) -> list[str]:
+    """User turn, answer, user turn ... of a sampled chat (its texts, alternating)."""
+    return [item["text"], *(text for more in item.get("more", []) for text in (more["answer"], more["text"]))]
+
+
+def _messages(system: str | None, chat: list[str]) -> list[dict[str, str]]:
+    roles = ("user", "assistant")
+    return ([{"role": "system", "content": system}] if system else []) + [
+        {"role": roles[j % 2], "content": text} for j, text in enumerate(chat)]
+
+
+def _tokens(item: dict[str, Any]) -> int:
+    return int(item["tokens"]) + sum(int(m["tokens"]) + int(m["answer_tokens"]) for m in item.get("more", []))
 
 
 def _evaluation_texts(exclude: list[Path] | None) -> list[str]:
@@ -352,28 +365,48 @@ def _evaluation_texts(exclude: list[Path] | None) -> list[str]:
     return texts
 
 
-def _filter(raw: list[dict[str, Any]], min_words: int, max_words: int, near_duplicate: float, seeds: list[str],
-            evaluation: list[str]) -> tuple[list[tuple[int, str]], Counter, dict[str, str]]:
-    """(index, text) of the prompts kept, in order; the dropped ones counted by reason, with one example each."""
-    unique = NearDuplicates(near_duplicate)
-    for s in seeds:
-        unique.add(s)
-    contaminated = Contamination(evaluation)
-    kept, dropped, examples = [], Counter(), {}
-    for i, item in enumerate(raw):
-        text = item["text"]
+class _Filters:
+    """The filters, fed the sampled chats in order: ``kept`` holds (index, chat texts) of those kept, ``dropped``
+    the count per reason, ``examples`` one dropped text per reason."""
+
+    def __init__(self, min_words: int, max_words: int, near_duplicate: float, seeds: list[str],
+                 evaluation: list[str]):
+        self.min_words, self.max_words = min_words, max_words
+        self.unique = NearDuplicates(near_duplicate)
+        for s in seeds:
+            self.unique.add(s)
+        self.contaminated = Contamination(evaluation)
+        self.kept: list[tuple[int, list[str]]] = []
+        self.dropped: Counter = Counter()
+        self.examples: dict[str, str] = {}
+
+    def _reason(self, turn: dict[str, Any]) -> str | None:
+        text = turn["text"]
         n = len(words(text))
-        reason = ("empty" if n == 0 else "truncated" if item["truncated"] else "too short" if n < min_words
-                  else "too long" if n > max_words else "degenerate" if looping(text)
-                  else "evaluation overlap" if contaminated.hits(text) else None)
-        if reason is None and not unique.add(text):
-            reason = "duplicate"
-        if reason is None:
-            kept.append((i, text))
-        else:
-            dropped[reason] += 1
-            examples.setdefault(reason, text[:200])
-    return kept, dropped, examples
+        return ("empty" if n == 0 else "truncated" if turn["truncated"] else "too short" if n < self.min_words
+                else "too long" if n > self.max_words else "degenerate" if looping(text)
+                else "evaluation overlap" if self.contaminated.hits(text) else None)
+
+    def _drop(self, reason: str, text: str) -> None:
+        self.dropped[reason] += 1
+        self.examples.setdefault(reason, text[:200])
+
+    def feed(self, items: list[dict[str, Any]], start: int) -> None:
+        for i, item in enumerate(items, start):
+            reason = self._reason(item)
+            if reason is None and not self.unique.add(item["text"]):
+                reason = "duplicate"
+            if reason is not None:
+                self._drop(reason, item["text"])
+                continue
+            chat = [item["text"]]
+            for more in item.get("more", []):
+                reason = self._reason(more)
+                if reason is not None:
+                    self._drop(f"follow-up: {reason}", more["text"])
+                    break
+                chat += [more["answer"], more["text"]]
+            self.kept.append((i, chat))
 
 
 def _quantiles(values: list[int]) -> dict[str, float]:
@@ -383,7 +416,7 @@ def _quantiles(values: list[int]) -> dict[str, float]:
     return {f"p{q}": float(ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]) for q in (10, 50, 90)}
 
 
-def _plot(path: Path, kept: list[int], raw: list[dict[str, Any]]) -> None:
+def _plot(path: Path, kept: list[int], raw: list[dict[str, Any]]) -> None:  # first user turns
     import matplotlib
 
     matplotlib.use("Agg")

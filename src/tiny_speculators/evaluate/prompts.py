@@ -1,4 +1,8 @@
-"""Evaluation prompts: built-in held-out sets (chat, code, math) and user JSONL files.
+"""Evaluation prompts: built-in held-out sets (chat, code, math; and user) and user JSONL files.
+
+``user`` is a second held-out set, written by hand the way people type into a chat box (casual, lower case, typos,
+pasted errors): no public prompt set ships on PyPI to take one from. It is not part of ``builtin`` (whose numbers
+earlier runs report); name it to use it (``--prompts user``, ``--prompts builtin,user``).
 
 A JSONL line is ``{"prompt": "..."}`` (one user turn) or ``{"messages": [{"role": ..., "content": ...}, ...]}``
 (ending with a user turn), optionally with an ``"id"``. Prompts are rendered with the verifier's chat template
@@ -20,11 +24,12 @@ from typing import Any
 
 from tiny_speculators.errors import UserError
 
-__all__ = ["BUILTIN_SETS", "Prompt", "load_prompts", "render_prompt"]
+__all__ = ["BUILTIN_SETS", "EXTRA_SETS", "Prompt", "load_prompts", "render_prompt"]
 
 log = logging.getLogger(__name__)
 
-BUILTIN_SETS = ("chat", "code", "math")
+BUILTIN_SETS = ("chat", "code", "math")  # what "builtin" interleaves
+EXTRA_SETS = ("user",)  # held out too, by name only
 
 
 @dataclass
@@ -70,17 +75,18 @@ def _builtin(name: str) -> list[Prompt]:
 
 
 def load_prompts(spec: str, max_prompts: int | None = None) -> list[Prompt]:
-    """``spec``: "builtin" (all built-in sets, interleaved), a set name ("chat", "code", "math"; several
-    joined by commas), or the path of a JSONL file."""
+    """``spec``: "builtin" (the chat, code and math sets, interleaved), a set name ("chat", "code", "math", "user";
+    several joined by commas, "builtin" among them), or the path of a JSONL file."""
     path = Path(spec).expanduser()
     if path.is_file():
         prompts = _read_jsonl(path.read_text("utf-8"), str(path))
     else:
-        names = list(BUILTIN_SETS) if spec in ("builtin", "all") else [s.strip() for s in spec.split(",")]
-        unknown = [n for n in names if n not in BUILTIN_SETS]
+        given = [s.strip() for s in spec.split(",")]
+        names = [n for g in given for n in (BUILTIN_SETS if g in ("builtin", "all") else (g,))]
+        unknown = [n for n in names if n not in BUILTIN_SETS + EXTRA_SETS]
         if unknown:
             raise UserError(f"prompts {spec!r} is neither a file nor a built-in set "
-                            f"(builtin, {', '.join(BUILTIN_SETS)})")
+                            f"(builtin, {', '.join(BUILTIN_SETS + EXTRA_SETS)})")
         sets = [_builtin(n) for n in names]
         prompts = [p for group in zip_longest(*sets) for p in group if p is not None]
     if max_prompts is not None:

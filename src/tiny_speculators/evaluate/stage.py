@@ -88,7 +88,8 @@ def evaluate(
         draft: a draft folder of any family: our checkpoint (draft_config.json), a train output folder, or an
             exported folder (speculators / SGLang format).
         out: output folder for results.json, summary.json and acceptance.png.
-        prompts: a built-in set (builtin = all, chat, code, math) or a JSONL file of {"prompt"} / {"messages"}.
+        prompts: built-in sets (builtin = chat, code and math interleaved; user; several comma-joined) or a
+            JSONL file of {"prompt"} / {"messages"}.
         k: draft tokens per verification step (chain mode); default: what the draft records (its export's
             speculative tokens, or what it was trained for), else 3.
         max_new_tokens: generation length limit per prompt (generation also stops at EOS).
