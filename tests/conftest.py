@@ -87,6 +87,16 @@ def pytest_sessionfinish(session, exitstatus):
     vllm_env.stop_build()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _shared_cache_root(tmp_path_factory) -> None:
+    """``shared_cache``'s folder: one for the whole run, in the pytest root that the xdist workers' own folders are
+    in, so that what one worker built the others read."""
+    import shared_cache
+
+    base = tmp_path_factory.getbasetemp()
+    os.environ[shared_cache.ROOT_ENV] = str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared")
+
+
 @pytest.fixture(scope="session")
 def vllm_venv() -> Path:
     """The vLLM environment of ``scripts/vllm_env.sh`` (vLLM, GuideLLM, and Mooncake where this environment imports

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from shared_cache import key as cache_key
+from shared_cache import shared, shared_json
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +68,9 @@ CHECK = Path(__file__).with_name("vllm_check.py")
 class VllmWorker:
     """``vllm_check.py worker`` in the vLLM environment, one per test session: vLLM imported once, the engines of
     all jobs built in that process, one after the other. Plain (``--no-spec``) runs are greedy and deterministic, so
-    each is done once per session and its result copied for later askers. Started on first use, stopped (also on
-    error) by :meth:`close`; a failed job ends it, and the next job starts a fresh one. vLLM's log: ``log_path``."""
+    each is done once per test run (``shared_cache``, across xdist workers) and its result copied for later askers.
+    Started on first use, stopped (also on error) by :meth:`close`; a failed job ends it, and the next job starts a
+    fresh one. vLLM's log: ``log_path``."""
 
     def __init__(self, venv: Path, log_path: Path) -> None:
         self.python, self.log_path = venv / "bin" / "python", log_path
@@ -107,10 +112,14 @@ class VllmWorker:
         """vLLM's greedy generation without a draft (``--no-spec``), computed once per session for each input."""
         key = (str(model), json.dumps(prompts), max_tokens, max_model_len, dtype)
         if key not in self._plain:
-            prompts_file = out.with_suffix(".prompts.json")
-            prompts_file.write_text(json.dumps(prompts))
-            self.run("generate", str(model), str(out), "--prompts", str(prompts_file), "--max-tokens", str(max_tokens),
-                     "--max-model-len", str(max_model_len), "--dtype", dtype, "--no-spec")
+            def build(folder: Path) -> None:
+                prompts_file = folder / "prompts.json"
+                prompts_file.write_text(json.dumps(prompts))
+                self.run("generate", str(model), str(folder / "plain.json"), "--prompts", str(prompts_file),
+                         "--max-tokens", str(max_tokens), "--max-model-len", str(max_model_len), "--dtype", dtype,
+                         "--no-spec")
+
+            shutil.copy(shared(f"vllm-plain-{cache_key(*key)}", build) / "plain.json", out)  # once per test run
             self._plain[key] = out
         return json.loads(self._plain[key].read_text())
 
@@ -161,9 +170,10 @@ def our_acceptance(proposer, aux_layer_ids: list[int], verifier_dir: Path, token
         for n in result.accepted:
             for i in range(n):
                 per_pos[i] += 1
-        key = (str(verifier_dir), tuple(prompt), new_tokens)  # plain greedy: once per session for each input
+        key = (str(verifier_dir), tuple(prompt), new_tokens)  # plain greedy: once per test run for each input
         if key not in _HF_GREEDY:
-            _HF_GREEDY[key] = autoregressive_generate(target, prompt, max_new_tokens=new_tokens).tokens
+            _HF_GREEDY[key] = shared_json(f"hf-greedy-{cache_key(*key)}", lambda p=prompt: autoregressive_generate(
+                target, p, max_new_tokens=new_tokens).tokens)
         hf_tokens.append(_HF_GREEDY[key])
     target.close()
     return {"prompts": prompts, "drafts": drafts, "accepted": accepted, "per_position": per_pos,
@@ -237,9 +247,14 @@ def train_draft(verifier_dir: Path, out: Path, *, steps: int = 60, new_tokens: i
     Runs on torch's default threads: the vLLM tests run last and one at a time, so nothing else loads the cores
     then (one thread was 1.6x slower on an idle 2-core machine; two threads thrash only when other jobs run).
     """
-    return _train_draft(verifier_dir, out, steps=steps, new_tokens=new_tokens, seed=seed, algorithm=algorithm,
-                        options=options or {}, verifier_name=verifier_name or SMOLLM2_ID, lr=lr,
-                        aux_layer_ids=list(aux_layer_ids or AUX_LAYER_IDS), small_vocab=draft_vocab)
+    args = dict(steps=steps, new_tokens=new_tokens, seed=seed, algorithm=algorithm, options=options or {},
+                verifier_name=verifier_name or SMOLLM2_ID, lr=lr, aux_layer_ids=list(aux_layer_ids or AUX_LAYER_IDS),
+                small_vocab=draft_vocab)
+    # once per test run (shared_cache): the benchmark's and the export tests' modules ask for the same draft
+    trained = shared(f"draft-{cache_key(str(verifier_dir), args)}",
+                     lambda folder: _train_draft(verifier_dir, folder / "ckpt", **args))
+    shutil.copytree(trained / "ckpt", out)
+    return out
 
 
 _DISTILLATION: dict[tuple, tuple[torch.Tensor, ...]] = {}  # (verifier, new_tokens[, aux ids]) -> tensors
@@ -255,24 +270,37 @@ def distillation_data(model, parts, tokenizer, verifier_dir: Path, new_tokens: i
 
     key = (str(verifier_dir), new_tokens)
     if key not in _DISTILLATION:
-        log.info("generating training answers")
-        prompts = [render(tokenizer, p) for p in TRAIN_PROMPTS]
-        answers = greedy_answers(model, prompts, new_tokens, tokenizer.pad_token_id or 0)
-        seqs = [p + a for p, a in zip(prompts, answers, strict=True)]
-        length = max(map(len, seqs))
-        ids = torch.zeros(len(seqs), length, dtype=torch.long)
-        mask = torch.zeros(len(seqs), length, dtype=torch.long)
-        attn = torch.zeros(len(seqs), length, dtype=torch.long)
-        for i, (p, s) in enumerate(zip(prompts, seqs, strict=True)):
-            ids[i, : len(s)] = torch.tensor(s)
-            attn[i, : len(s)] = 1
-            mask[i, len(p): len(s)] = 1  # learn the answers
-        _DISTILLATION[key] = (ids, mask, attn)
+        _DISTILLATION[key] = _shared_tensors(f"answers-{cache_key(*key)}", lambda: _answers(
+            model, tokenizer, new_tokens))
     ids, mask, attn = _DISTILLATION[key]
     states = (*key, tuple(aux_ids))
     if states not in _DISTILLATION:
-        _DISTILLATION[states] = capture_hidden_states(model, ids, attn, aux_ids, parts=parts)
+        _DISTILLATION[states] = _shared_tensors(f"states-{cache_key(*states)}", lambda: capture_hidden_states(
+            model, ids, attn, aux_ids, parts=parts))
     return (ids, mask, attn, *_DISTILLATION[states])
+
+
+def _shared_tensors(name: str, compute) -> tuple[torch.Tensor, ...]:
+    """``compute()``'s tensors, computed once per test run (``shared_cache``)."""
+    folder = shared(name, lambda tmp: torch.save(tuple(compute()), tmp / "tensors.pt"))
+    return tuple(torch.load(folder / "tensors.pt", weights_only=True))
+
+
+def _answers(model, tokenizer, new_tokens: int) -> tuple[torch.Tensor, ...]:
+    """``(ids, mask, attn)``: ``TRAIN_PROMPTS`` and the verifier's greedy answers (right-padded; mask = answers)."""
+    log.info("generating training answers")
+    prompts = [render(tokenizer, p) for p in TRAIN_PROMPTS]
+    answers = greedy_answers(model, prompts, new_tokens, tokenizer.pad_token_id or 0)
+    seqs = [p + a for p, a in zip(prompts, answers, strict=True)]
+    length = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), length, dtype=torch.long)
+    mask = torch.zeros(len(seqs), length, dtype=torch.long)
+    attn = torch.zeros(len(seqs), length, dtype=torch.long)
+    for i, (p, s) in enumerate(zip(prompts, seqs, strict=True)):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        mask[i, len(p): len(s)] = 1  # learn the answers
+    return ids, mask, attn
 
 
 def _train_draft(verifier_dir: Path, out: Path, *, steps: int, new_tokens: int, seed: int, algorithm: str,
