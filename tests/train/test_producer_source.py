@@ -236,13 +236,14 @@ def test_a_slow_producers_sample_is_asked_of_another(inputs, engines, tmp_path):
         start = time.monotonic()
         train(verifier="smollm2-135m", data=inputs.prepared, online=True, producer="vllm",
               producer_urls=[slow, engines.producer.url], mooncake_master=engines.master.address,
-              producer_timeout=15, vocab=inputs.vocab, out=tmp_path / "o", eval_fraction=0.0, max_steps=1,
-              batch_size=2, progress=False)
+              producer_timeout=30, vocab=inputs.vocab, out=tmp_path / "o", eval_fraction=0.0, max_steps=1,
+              batch_size=2, progress=False)  # 30 s: a live producer on a loaded CI machine took over 5 s (a third
+    # of 15, the attempt's share) to answer, and the run failed (the full suite of 2026-12-05)
     got = [json.loads(line) for line in (tmp_path / "o" / "logs" / "samples_rank0.jsonl").read_text().splitlines()]
     assert [d["producer"] for d in got] == [engines.producer.url] * 2
-    first = [d for d in got if d["failed"][:1] == [slow]]  # the first request went there, and waited 5 s
+    first = [d for d in got if d["failed"][:1] == [slow]]  # the first request went there, and waited 10 s
     assert len(first) == 1 and "timed out" in first[0]["errors"][0], got
-    assert 5 <= first[0]["seconds"] < 15 and time.monotonic() - start < 60
+    assert 10 <= first[0]["seconds"] < 30 and time.monotonic() - start < 90
 
 
 @pytest.mark.vllm
