@@ -43,13 +43,17 @@ def cli(*args: str, log: Path) -> None:
 
 def sources(run: Path) -> dict[str, list[str]]:
     """The run's answered records (JSONL lines), by source."""
-    synthesized = {json.loads(line)["messages"][-1]["content"]
-                   for line in (run / "synthesize" / "prompts.jsonl").read_text().splitlines() if line.strip()}
+    synthesized = {_first_user_turn(line) for line in (run / "synthesize" / "prompts.jsonl").read_text().splitlines()
+                   if line.strip()}
     out: dict[str, list[str]] = {"builtin": [], "synth": []}
     for line in (run / "regenerate" / "chats.jsonl").read_text().splitlines():
-        users = [m["content"] for m in json.loads(line)["messages"] if m["role"] == "user"]
-        out["synth" if users and users[0] in synthesized else "builtin"].append(line)
+        out["synth" if _first_user_turn(line) in synthesized else "builtin"].append(line)
     return out
+
+
+def _first_user_turn(line: str) -> str | None:
+    """A chat's first user turn (multi-turn synthesized chats are told apart by it too)."""
+    return next((m["content"] for m in json.loads(line)["messages"] if m["role"] == "user"), None)
 
 
 def subset(records: dict[str, list[str]], source: str, fraction: float) -> list[str]:
@@ -57,10 +61,11 @@ def subset(records: dict[str, list[str]], source: str, fraction: float) -> list[
     return [line for name in names for line in records[name][: math.ceil(fraction * len(records[name]))]]
 
 
-def measure(a, run: Path, lines: list[str], row: dict, folder: Path) -> dict:
+def measure(a, lines: list[str], row: dict, folder: Path) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     data = folder / "chats.jsonl"
     data.write_text("\n".join(lines) + "\n")
+    run = a.run
     layers = json.loads((run / "pipeline.json").read_text())["stages"]["extract"]["options"].get("layers")
     cli("prepare", "--verifier", a.verifier, "--data", str(data), "--out", str(folder / "prepare"), "--max-length",
         "512", log=folder / "prepare.log")
@@ -153,7 +158,7 @@ def main() -> None:
                 if any(all(r.get(k) == v for k, v in row.items()) for r in rows):
                     continue
                 name = f"{source}-{fraction}-" + (f"{steps}steps" if steps else f"{epochs}epochs")
-                rows.append(measure(a, a.run, subset(records, source, fraction), row, a.work / name))
+                rows.append(measure(a, subset(records, source, fraction), row, a.work / name))
                 results.write_text(json.dumps(rows, indent=2))
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(table(rows))
