@@ -109,7 +109,7 @@ class VllmWorker:
 
     def plain(self, model: Path, out: Path, prompts: list[list[int]], max_tokens: int,
               max_model_len: int = 1024, dtype: str = "float32") -> dict:
-        """vLLM's greedy generation without a draft (``--no-spec``), computed once per session for each input."""
+        """vLLM's greedy generation without a draft (``--no-spec``), computed once per test run for each input."""
         key = (str(model), json.dumps(prompts), max_tokens, max_model_len, dtype)
         if key not in self._plain:
             def build(folder: Path) -> None:
