@@ -151,7 +151,7 @@ _HF_GREEDY: dict[tuple, list[int]] = {}  # (verifier, prompt, new tokens) -> HF 
 def our_acceptance(proposer, aux_layer_ids: list[int], verifier_dir: Path, tokenizer, k: int,
                    new_tokens: int) -> dict:
     """Our evaluator with ``proposer`` on ``EVAL_PROMPTS`` (greedy, HF verifier in fp32): acceptance counters, draft
-    forwards, and the speculative and plain greedy tokens (the plain ones computed once per session)."""
+    forwards, and the speculative and plain greedy tokens (the plain ones computed once per test run)."""
     from transformers import AutoModelForCausalLM
 
     from tiny_speculators.evaluate.decoding import autoregressive_generate, speculative_generate
