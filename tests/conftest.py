@@ -97,6 +97,16 @@ def _shared_cache_root(tmp_path_factory) -> None:
     os.environ[shared_cache.ROOT_ENV] = str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_in_one_process() -> None:
+    """The vLLM processes the tests start run in one process (``vllm_env.IN_ONE_PROCESS``); a test that proves none
+    outlives its stop opts out with ``vllm_env.multi_process()``."""
+    import vllm_env
+
+    for key, value in vllm_env.IN_ONE_PROCESS.items():
+        os.environ.setdefault(key, value)
+
+
 @pytest.fixture(scope="session")
 def vllm_venv() -> Path:
     """The vLLM environment of ``scripts/vllm_env.sh`` (vLLM, GuideLLM, and Mooncake where this environment imports

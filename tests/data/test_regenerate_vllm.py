@@ -24,6 +24,7 @@ from serving_helpers import server_port, vllm_processes
 from tiny_speculators.data.generate import VLLM_LOG
 from tiny_speculators.data.regenerate import regenerate
 from tiny_speculators.errors import UserError
+from vllm_env import multi_process
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -104,7 +105,8 @@ def test_an_error_stops_the_server_and_the_rerun_resumes(vllm_venv, in_process, 
 def test_ctrl_c_stops_the_server(vllm_venv, tmp_path):
     data = write_records(tmp_path / "prompts.jsonl")
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "TINY_SPECULATORS_VLLM_VENV": str(vllm_venv)}
+    with multi_process():  # as users run it: every vLLM process must be gone after Ctrl-C
+        env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "TINY_SPECULATORS_VLLM_VENV": str(vllm_venv)}
     proc = subprocess.Popen([sys.executable, "-m", "tiny_speculators.cli", "regenerate", "--verifier", "smollm2-135m",
                              "--data", str(data), "--out", str(out), "--backend", "vllm", "--max-new-tokens", "4096",
                              "--batch-size", "1"],

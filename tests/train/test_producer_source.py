@@ -37,6 +37,7 @@ from serving_helpers import server_port, vllm_processes
 from tiny_speculators.errors import UserError
 from tiny_speculators.train.data import plan_epoch, split_train_val
 from tiny_speculators.train.stage import train
+from vllm_env import IN_ONE_PROCESS
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 LAYERS = [2, 15, 27, 30]  # EAGLE-3's aux layers of the 30-layer SmolLM2, and its last layer's output
@@ -270,7 +271,8 @@ def test_a_signal_while_the_producer_starts_stops_it_and_the_master(inputs, vllm
     cmd = [sys.executable, "-m", "tiny_speculators.cli", "train", "--verifier", "smollm2-135m", "--data",
            str(inputs.prepared), "--online", "--producer", "vllm", "--producers", "1", "--vocab", str(inputs.vocab),
            "--out", str(out), "--no-progress"]
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    env = {k: v for k, v in ENV.items() if k not in IN_ONE_PROCESS}  # as users run it: its engine core and worker
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # not SIG_IGN
     producer_log = out / "logs" / "producer0.log"
     try:

