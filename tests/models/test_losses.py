@@ -156,7 +156,7 @@ def test_aligned_weights_drop_the_steps_after_a_miss_like_the_direct_reference(t
     reached = torch.cumprod(out.correct | ~valid, dim=0)  # the mask is not trivial: later steps kept and dropped
     assert bool((valid[1] & reached[0]).any()) and bool((valid[1] & ~reached[0]).any())
     unmasked = chunked_step_losses(d1, hidden, valid, targets, LossSpec.from_mapping(terms), decay=0.7)
-    assert float(out.weighted[1].detach()) < float(unmasked.weighted[1])
+    assert float(out.weighted[1].detach()) < float(unmasked.weighted[1].detach())
     torch.testing.assert_close(out.weighted[0], unmasked.weighted[0])  # the first step is always reached
 
 
