@@ -1,5 +1,6 @@
-"""``eagle3: {init: verifier}``: a fresh draft whose decoder layer is a verifier layer is an early exit of the
-verifier. Without the EAGLE-3.1 norms its first step reproduces the verifier's logits after that layer exactly."""
+"""``init: verifier`` (EAGLE-3's and P-EAGLE's options): a fresh draft whose decoder layers are verifier layers is an
+early exit of the verifier. Without the input norms its first step (P-EAGLE: its depth-0 slots) reproduces the
+verifier's logits after those layers exactly."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import torch
 from tiny_speculators.errors import UserError
 from tiny_speculators.models.eagle3.family import Eagle3Options, build
 from tiny_speculators.models.family import BuildInputs
+from tiny_speculators.models.peagle import family as peagle
+
+FAMILIES = {"eagle3": (build, Eagle3Options), "peagle": (peagle.build, peagle.PEagleOptions)}
 
 
 def _inputs(folder, verifier, aux: list[int]) -> BuildInputs:
@@ -19,17 +23,19 @@ def _inputs(folder, verifier, aux: list[int]) -> BuildInputs:
                        lm_head_weight=verifier.get_output_embeddings().weight.detach(), verifier_path=str(folder))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("layer", [None, 3])
 @pytest.mark.parametrize("num_layers", [1, 2])
-def test_fresh_draft_is_the_verifiers_early_exit(arch, layer, num_layers, tiny_llama_dir, tiny_qwen3_dir):
+def test_fresh_draft_is_the_verifiers_early_exit(family, arch, layer, num_layers, tiny_llama_dir, tiny_qwen3_dir):
     from transformers import AutoModelForCausalLM
 
     folder = tiny_llama_dir if arch == "llama" else tiny_qwen3_dir
     verifier = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     aux = [2, 4, 5]
-    draft = build(_inputs(folder, verifier, aux),
-                  Eagle3Options(init="verifier", init_layer=layer, num_layers=num_layers))
+    build_family, options = FAMILIES[family]
+    draft = build_family(_inputs(folder, verifier, aux),
+                         options(init="verifier", init_layer=layer, num_layers=num_layers))
     j = aux[-1] if layer is None else layer
     ids = torch.randint(0, verifier.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(11)[None].expand(2, -1)
@@ -54,13 +60,15 @@ def test_fresh_draft_is_the_verifiers_early_exit(arch, layer, num_layers, tiny_l
     assert not draft.layers[0].self_attn.q_proj.weight[:, :draft.hidden_size].any()  # embedding half starts at 0
 
 
-def test_a_layer_the_verifier_lacks_is_a_one_line_error(tiny_llama_dir):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_layer_the_verifier_lacks_is_a_one_line_error(family, tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
     verifier = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
-    with pytest.raises(UserError, match=r"^eagle3 init_layer 8 is not a decoder layer of the verifier \(0\.\.7\)$"):
-        build(_inputs(tiny_llama_dir, verifier, [2, 4, 5]), Eagle3Options(init="verifier", init_layer=8))
-    with pytest.raises(UserError, match=r"^eagle3 init_layer 7 with num_layers 2 copies verifier layers 7\.\.8, "
+    build_family, options = FAMILIES[family]
+    with pytest.raises(UserError, match=rf"^{family} init_layer 8 is not a decoder layer of the verifier \(0\.\.7\)$"):
+        build_family(_inputs(tiny_llama_dir, verifier, [2, 4, 5]), options(init="verifier", init_layer=8, num_layers=1))
+    with pytest.raises(UserError, match=rf"^{family} init_layer 7 with num_layers 2 copies verifier layers 7\.\.8, "
                                         r"but its decoder layers are 0\.\.7$"):
-        build(_inputs(tiny_llama_dir, verifier, [2, 4, 5]),
-              Eagle3Options(init="verifier", init_layer=7, num_layers=2))
+        build_family(_inputs(tiny_llama_dir, verifier, [2, 4, 5]),
+                     options(init="verifier", init_layer=7, num_layers=2))

@@ -1,5 +1,7 @@
-"""Start an EAGLE-3 draft's decoder layers from the verifier's own decoder layers (``eagle3: {init: verifier}``).
+"""Start a fused-input draft's decoder layers from the verifier's own decoder layers (``init: verifier``).
 
+For the families whose draft reads the fusion of verifier states (``layers.FusedInputDraft``): ``init: verifier``
+in the family's options.
 The fresh draft then computes, at its first step, those verifier layers on the verifier's state that enters the
 first of them, followed by the verifier's final norm and lm_head: an early exit of the verifier itself, instead of
 a random guess. With verifier layer ``j`` (default: the last aux layer, whose input is aux state ``j``):
@@ -11,9 +13,10 @@ a random guess. With verifier layer ``j`` (default: the last aux layer, whose in
     layers.i (i >= 1)         <- layer j + i, all of it          (plain layers, as in the verifier)
     norm                      <- the verifier's final norm       (lm_head rows are copied as always)
 
-Without ``fc_norm``/``norm_before_residual`` that is exact: the fresh draft's step-0 logits are the verifier's
-logits after layers j..j+L-1 (tests/models/test_eagle3_verifier_init.py); with them it is the same computation on
-normalized states, which training adapts.
+Without ``fc_norm``/``norm_before_fc``/``norm_before_residual`` that is exact: the fresh draft's step-0 logits (at
+P-EAGLE's depth-0 slots) are the verifier's logits after layers j..j+L-1 (tests/models/test_verifier_init.py);
+with them it is the same computation on normalized states, which training adapts. P-EAGLE's mask hidden state
+starts as always (it goes through the same fc).
 """
 
 from __future__ import annotations
@@ -23,26 +26,43 @@ from pathlib import Path
 import torch
 
 from tiny_speculators.errors import UserError
-from tiny_speculators.models.eagle3.model import Eagle3Draft
+from tiny_speculators.models.family import BuildInputs
+from tiny_speculators.models.layers import FusedInputDraft
 from tiny_speculators.verifier.describe import read_tensors, safetensor_index
+from tiny_speculators.verifier.load import resolve_verifier
 
-__all__ = ["init_from_verifier_layer"]
+__all__ = ["init_from_verifier_layer", "start_from_verifier"]
 
 NORM_KEYS = ("model.norm.weight", "norm.weight", "model.language_model.norm.weight")
 
 
-def _tensors(folder: str, first: int, count: int) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+def start_from_verifier(draft: FusedInputDraft, inputs: BuildInputs, family: str, init_layer: int | None) -> None:
+    """``init: verifier`` of ``family``'s options: check the layers against the verifier, then copy them."""
+    if inputs.verifier_path is None:
+        raise UserError(f"{family} init 'verifier' reads a verifier layer, but no verifier folder was given")
+    layer = inputs.aux_layer_ids[-1] if init_layer is None else init_layer
+    n_layers, num_layers = int(getattr(inputs.verifier_config, "num_hidden_layers", 0)), len(draft.layers)
+    if not 0 <= layer <= n_layers - num_layers:
+        which = f"{family} init_layer {layer}" + (" (the last aux layer)" if init_layer is None else "")
+        if num_layers == 1:
+            raise UserError(f"{which} is not a decoder layer of the verifier (0..{n_layers - 1})")
+        raise UserError(f"{which} with num_layers {num_layers} copies verifier layers "
+                        f"{layer}..{layer + num_layers - 1}, but its decoder layers are 0..{n_layers - 1}")
+    init_from_verifier_layer(draft, resolve_verifier(inputs.verifier_path), layer, family)
+
+
+def _tensors(folder: str, first: int, count: int, family: str) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
     """Verifier layers ``first .. first + count - 1`` (names relative to the layer) and its final norm, one read."""
     index = safetensor_index(Path(folder))
     if not index:
-        raise UserError(f"eagle3 init 'verifier' reads the verifier's decoder layer from its safetensors, and "
+        raise UserError(f"{family} init 'verifier' reads the verifier's decoder layer from its safetensors, and "
                         f"{folder} has none: pass a local verifier folder, or init 'random'")
     prefixes = []
     for layer in range(first, first + count):
         prefix = next((p for p in (f"model.layers.{layer}.", f"model.language_model.layers.{layer}.")
                        if any(k.startswith(p) for k in index)), None)
         if prefix is None:
-            raise UserError(f"verifier {folder} has no decoder layer {layer} in its safetensors (eagle3 init_layer)")
+            raise UserError(f"verifier {folder} has no decoder layer {layer} in its safetensors ({family} init_layer)")
         prefixes.append(prefix)
     norm = next((k for k in NORM_KEYS if k in index), None)
     if norm is None:
@@ -53,12 +73,12 @@ def _tensors(folder: str, first: int, count: int) -> tuple[list[dict[str, torch.
 
 
 @torch.no_grad()
-def init_from_verifier_layer(draft: Eagle3Draft, folder: str, layer: int) -> None:
+def init_from_verifier_layer(draft: FusedInputDraft, folder: str, layer: int, family: str) -> None:
     """Copy verifier decoder layers ``layer``, ``layer + 1``, ... (one per draft layer) and the verifier's final norm
     into ``draft`` as laid out above."""
     aux_ids = draft.kwargs.get("aux_layer_ids") or []
     h = draft.hidden_size  # the copies below fail with a one-line error unless it is the verifier's
-    all_tensors, final_norm = _tensors(folder, layer, len(draft.layers))
+    all_tensors, final_norm = _tensors(folder, layer, len(draft.layers), family)
     for i, (ours, tensors) in enumerate(zip(draft.layers, all_tensors, strict=True)):
         plain = {f"self_attn.{n}_proj.weight": getattr(ours.self_attn, f"{n}_proj").weight
                  for n in ("q", "k", "v", "o") if i > 0 or n == "o"}
@@ -77,7 +97,7 @@ def init_from_verifier_layer(draft: Eagle3Draft, folder: str, layer: int) -> Non
         missing = sorted((set(plain) | set(halves)) - set(tensors))
         if missing:
             raise UserError(f"verifier {folder} layer {layer + i} lacks {', '.join(missing)}: its decoder layer is "
-                            "not the draft's (a llama/qwen3-style layer); use eagle3 init 'random'")
+                            "not the draft's (a llama/qwen3-style layer); use {family} init 'random'")
         for name, param in plain.items():
             _copy(param, tensors[name], f"layer {layer + i} {name}")
         for name, param in halves.items():

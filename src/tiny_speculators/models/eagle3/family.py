@@ -23,13 +23,12 @@ from tiny_speculators.models.eagle3 import sglang, speculators
 from tiny_speculators.models.eagle3.model import Eagle3Draft
 from tiny_speculators.models.eagle3.objective import TTTModule
 from tiny_speculators.models.eagle3.proposer import Eagle3Proposer
-from tiny_speculators.models.eagle3.verifier_init import init_from_verifier_layer
 from tiny_speculators.models.family import BuildInputs, DraftFamily, resolve_layer_type
 from tiny_speculators.models.losses import LossSpec
 from tiny_speculators.models.shape import verifier_shape
+from tiny_speculators.models.verifier_init import start_from_verifier
 from tiny_speculators.options import AT_LEAST_1, FRACTION, check_ranges
 from tiny_speculators.verifier.capture import default_aux_layer_ids
-from tiny_speculators.verifier.load import resolve_verifier
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +53,8 @@ class Eagle3Options:
         num_layers: decoder layers of the draft (layer 0 the EAGLE-3 layer, the rest plain layers; vLLM serves any
             number, SGLang's export only one).
         init: random, or verifier: the decoder layers start as the verifier's layers ``init_layer``,
-            ``init_layer + 1``, ... (an early exit of the verifier; ``verifier_init.py``), read from its safetensors.
+            ``init_layer + 1``, ... (an early exit of the verifier; ``models/verifier_init.py``), read from its
+            safetensors.
         init_layer: the first verifier layer ``init: verifier`` copies (default: the last aux layer).
         intermediate_size: MLP width of the draft's layers; default: the verifier's, for a mixture-of-experts
             verifier the width it runs per token (experts per token x expert width + shared experts).
@@ -124,17 +124,7 @@ def build(inputs: BuildInputs, options: Eagle3Options) -> Eagle3Draft:
     draft = build_draft(kwargs, inputs.d2t, inputs.t2d, embed_weight=inputs.embed_weight,
                         lm_head_weight=inputs.lm_head_weight)
     if options.init == "verifier":
-        if inputs.verifier_path is None:
-            raise UserError("eagle3 init 'verifier' reads a verifier layer, but no verifier folder was given")
-        layer = inputs.aux_layer_ids[-1] if options.init_layer is None else options.init_layer
-        n_layers = int(getattr(inputs.verifier_config, "num_hidden_layers", 0))
-        if not 0 <= layer <= n_layers - options.num_layers:
-            which = f"eagle3 init_layer {layer}" + (" (the last aux layer)" if options.init_layer is None else "")
-            if options.num_layers == 1:
-                raise UserError(f"{which} is not a decoder layer of the verifier (0..{n_layers - 1})")
-            raise UserError(f"{which} with num_layers {options.num_layers} copies verifier layers "
-                            f"{layer}..{layer + options.num_layers - 1}, but its decoder layers are 0..{n_layers - 1}")
-        init_from_verifier_layer(draft, resolve_verifier(inputs.verifier_path), layer)
+        start_from_verifier(draft, inputs, "eagle3", options.init_layer)
     return draft
 
 

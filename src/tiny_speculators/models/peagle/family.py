@@ -20,6 +20,7 @@ from tiny_speculators.models.peagle.model import PEagleDraft
 from tiny_speculators.models.peagle.objective import PEagleObjective
 from tiny_speculators.models.peagle.proposer import PEagleProposer
 from tiny_speculators.models.shape import DraftShape
+from tiny_speculators.models.verifier_init import start_from_verifier
 from tiny_speculators.options import AT_LEAST_1, FRACTION, check_ranges
 from tiny_speculators.verifier.capture import default_aux_layer_ids
 
@@ -39,6 +40,11 @@ class PEagleOptions:
             verifier's pad token, else its eos token, else 0.
         layer_type: draft decoder layers: auto (qwen3 for Qwen3 verifiers, else llama), llama, or qwen3.
         norm_before_residual: use hidden_norm(h) as layer 0's residual (vLLM's flag).
+        norm_before_fc: one RMSNorm over the concatenated aux states (and the mask hidden state) before fc
+            (vLLM's flag; speculators' P-EAGLE has it on).
+        init: random, or verifier: the decoder layers start as the verifier's layers ``init_layer``,
+            ``init_layer + 1``, ... (an early exit of the verifier at the depth-0 slots; ``models/verifier_init.py``).
+        init_layer: the first verifier layer ``init: verifier`` copies (default: the last aux layer).
     """
 
     depths: int = 4
@@ -49,6 +55,9 @@ class PEagleOptions:
     mask_token_id: int | None = None
     layer_type: Literal["auto", "llama", "qwen3"] = "auto"
     norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    init: Literal["random", "verifier"] = "random"
+    init_layer: int | None = None
 
     def __post_init__(self) -> None:
         check_ranges(("depths", self.depths, AT_LEAST_1), ("num_layers", self.num_layers, AT_LEAST_1))
@@ -62,9 +71,12 @@ def build(inputs: BuildInputs, options: PEagleOptions) -> PEagleDraft:
     shape = DraftShape.from_verifier(cfg, int(inputs.d2t.shape[0]), num_aux=len(inputs.aux_layer_ids),
                                      aux_layer_ids=list(inputs.aux_layer_ids))
     draft = PEagleDraft(**shape.fields(), layer_type=resolve_layer_type(options.layer_type, cfg),
-                        norm_before_residual=options.norm_before_residual, num_layers=options.num_layers,
+                        norm_before_residual=options.norm_before_residual, norm_before_fc=options.norm_before_fc,
+                        num_layers=options.num_layers,
                         num_depths=options.depths, mask_token_id=mask_token_of(options.mask_token_id, cfg))
     copy_verifier_weights(draft, inputs.d2t, inputs.t2d, inputs.embed_weight, inputs.lm_head_weight)
+    if options.init == "verifier":
+        start_from_verifier(draft, inputs, "peagle", options.init_layer)
     return draft
 
 
@@ -87,5 +99,6 @@ FAMILY = DraftFamily(
     proposer=PEagleProposer,
     formats=(speculators.FORMAT,),
     speculative_tokens=lambda options: options.depths,
-    shape_options=("num_layers", "norm_before_residual"),
+    shape_options=("num_layers", "norm_before_residual", "norm_before_fc"),
+    fresh_options=("init", "init_layer"),
 )
