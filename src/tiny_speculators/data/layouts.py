@@ -17,6 +17,10 @@ Detection is per record, so one file may mix layouts:
   transformers documents for chat templates (Qwen3, Llama-3.1 and Mistral render it);
 * a served request and its response, as services log them: ``{"request": {"messages": [...], "tools": [...]},
   "response": <a chat completion (its ``choices[0].message``), one message, or the answer's text>}``;
+* images in user and system turns: OpenAI content parts (``{"type": "image_url", "image_url": {"url": ...}}``, a
+  path, ``file://`` or ``data:`` URL) and transformers' ``{"type": "image", "image": PATH}`` become
+  ``{"type": "image", "image": REF}`` parts in their order; LLaVA / ShareGPT records list them in ``image`` /
+  ``images`` and mark where they go with ``<image>`` in the turns (no marker: before the first user turn's text);
 * ``reasoning_content`` (vLLM, DeepSeek API) or ``reasoning`` on assistant turns is kept as
   ``reasoning_content``; a top-level ``tools`` list (or JSON string) is passed to the template; a
   top-level ``system`` string becomes the first message when the turns hold none.
@@ -36,9 +40,11 @@ from typing import Any
 
 from tiny_speculators.data.chat import RecordError
 
-__all__ = ["ROLES", "TURN_KEYS", "normalize_record"]
+__all__ = ["ROLES", "TURN_KEYS", "image_refs", "normalize_record"]
 
 TURN_KEYS = ("conversations", "messages", "conversation")
+_IMAGE_TYPES = ("image", "image_url")
+_IMAGE_MARKER = "<image>"  # LLaVA / ShareGPT: where the record's images go in a turn
 
 # "from" / "role" value (lower case) -> template role; function_call is an assistant tool call
 ROLES: dict[str, str] = {
@@ -88,6 +94,9 @@ def _text(value: Any, where: str, *, required: bool = True) -> str | None:
     if isinstance(value, list):  # OpenAI content parts: text only
         texts = []
         for part in value:
+            if isinstance(part, dict) and part.get("type") in _IMAGE_TYPES:
+                raise RecordError("image in an assistant turn", f"{where} has an image: images are read in user "
+                                                                "and system turns")
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise RecordError("non-string content", f"{where} has a content part that is not text")
             texts.append(part["text"])
@@ -97,6 +106,69 @@ def _text(value: Any, where: str, *, required: bool = True) -> str | None:
     if required and not value.strip():
         raise RecordError("empty content", f"{where} content is empty")
     return value
+
+
+def _image_part(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """``{"type": "image", "image": REF}`` from an OpenAI ``image_url`` part or a transformers ``image`` part."""
+    if part["type"] == "image_url":
+        url = part.get("image_url")
+        ref = url.get("url") if isinstance(url, dict) else url
+    else:
+        ref = _get(part, "image", "url", "path")
+    if not isinstance(ref, str) or not ref.strip():
+        raise RecordError("invalid image", f"{where} has an image part without a path or URL")
+    return {"type": "image", "image": ref}
+
+
+def _content(value: Any, where: str) -> str | list[dict[str, Any]]:
+    """A user or system turn's content: text, or text and image parts in their order when it holds images."""
+    if not (isinstance(value, list) and any(isinstance(p, dict) and p.get("type") in _IMAGE_TYPES for p in value)):
+        return _text(value, where)  # type: ignore[return-value]
+    parts = []
+    for part in value:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _IMAGE_TYPES:
+            parts.append(_image_part(part, where))
+        elif kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise RecordError("unsupported content", f"{where} has a {kind or type(part).__name__!r} part: prepare "
+                                                     "reads text and image parts")
+    return parts
+
+
+def image_refs(messages: list[dict[str, Any]]) -> list[str]:
+    """The image references of normalised ``messages``, in the order the template renders them."""
+    return [part["image"] for m in messages if isinstance(m.get("content"), list)
+            for part in m["content"] if part.get("type") == "image"]
+
+
+def _place_images(messages: list[dict[str, Any]], images: list[str]) -> None:
+    """LLaVA / ShareGPT: the record's ``image`` / ``images`` go where the user turns say ``<image>``, or before the
+    first user turn's text when none does."""
+    markers = sum(m["content"].count(_IMAGE_MARKER) for m in messages
+                  if m["role"] in ("user", "system") and isinstance(m["content"], str))
+    if markers == 0:
+        first = next((m for m in messages if m["role"] == "user" and isinstance(m["content"], str)), None)
+        if first is None:
+            raise RecordError("image mismatch", "the record has images but no user turn to hold them")
+        first["content"] = _IMAGE_MARKER * len(images) + first["content"]
+        markers = len(images)
+    if markers != len(images):
+        raise RecordError("image mismatch", f"{markers} {_IMAGE_MARKER} markers in the turns for {len(images)} "
+                                            "images")
+    queue = list(images)
+    for m in messages:
+        if m["role"] not in ("user", "system") or not isinstance(m["content"], str) \
+                or _IMAGE_MARKER not in m["content"]:
+            continue
+        parts: list[dict[str, Any]] = []
+        for i, piece in enumerate(m["content"].split(_IMAGE_MARKER)):
+            if i:
+                parts.append({"type": "image", "image": queue.pop(0)})
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        m["content"] = parts
 
 
 def _tool_call(call: Any, where: str) -> dict[str, Any]:
@@ -164,7 +236,7 @@ def _message(turn: Any, where: str) -> dict[str, Any]:
     if role != "assistant":
         if not has_content:
             raise RecordError("missing field", f"{where} has no 'content' (or 'value')")
-        return {"role": role, "content": _text(content, where)}
+        return {"role": role, "content": _content(content, where)}
     calls = _tool_calls(turn, role_value, content, where)
     if role_value == "function_call":
         content = None
@@ -177,6 +249,19 @@ def _message(turn: Any, where: str) -> dict[str, Any]:
     if isinstance(reasoning, str) and reasoning.strip():
         message["reasoning_content"] = reasoning
     return message
+
+
+def _record_images(record: dict[str, Any]) -> list[str]:
+    """LLaVA / ShareGPT's record-level ``images`` (a list, or a JSON string of one) or ``image`` (one path)."""
+    images = record.get("images") if record.get("images") is not None else record.get("image")
+    if isinstance(images, str) and images.lstrip().startswith("["):
+        images = _decode_json(images, "'images'")
+    if images is None or images == "" or images == []:
+        return []
+    images = [images] if isinstance(images, str) else images
+    if not isinstance(images, list) or not all(isinstance(i, str) and i.strip() for i in images):
+        raise RecordError("invalid image", "'image(s)' must be a path or a list of paths")
+    return images
 
 
 def _tools(record: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -208,6 +293,11 @@ def normalize_record(record: Any, field: str | None = None) -> tuple[list[dict[s
     if not isinstance(turns, list):
         raise RecordError("invalid record", f"'{key}' must be a list, not {type(turns).__name__}")
     messages = [_message(turn, f"{key}[{i}]") for i, turn in enumerate(turns)]
+    images = _record_images(record)
+    if images:
+        if image_refs(messages):
+            raise RecordError("image mismatch", "the record has both image parts in its turns and 'image(s)'")
+        _place_images(messages, images)
     system = record.get("system")
     if isinstance(system, str) and system.strip() and not (messages and messages[0]["role"] == "system"):
         messages.insert(0, {"role": "system", "content": system})

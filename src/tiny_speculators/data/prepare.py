@@ -43,12 +43,14 @@ from tqdm.auto import tqdm
 
 from tiny_speculators.data import tokenizer as tok
 from tiny_speculators.data.chat import ChatRenderer, RecordError
+from tiny_speculators.data.layouts import image_refs
 from tiny_speculators.data.readers import count_records, read_records, resolve_data
 from tiny_speculators.data.redact import Redactor
 from tiny_speculators.data.resume import ChunkStore, input_fingerprint
 from tiny_speculators.errors import UserError
 from tiny_speculators.tables import print_summary_table
 from tiny_speculators.verifier.load import verifier_id
+from tiny_speculators.verifier.vision import IMAGE_DIR, ImageError, Vision, open_image, store_reference
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +126,9 @@ def prepare(
     redactor = Redactor(redact)
 
     tokenizer = tok.load_prepare_tokenizer(verifier, trust_remote_code=trust_remote_code)
+    vision = None if tok.tokenizer_only_folder(verifier) else Vision.load(verifier, trust_remote_code)
+    if vision is not None and template_text is None:  # a vision model's own template lives in its processor
+        template_text = getattr(vision.processor, "chat_template", None)
     renderer = ChatRenderer(tokenizer, enable_thinking=enable_thinking, chat_template=template_text,
                             last_turn_only=last_turn_only, rewritten_turns=rewritten_turns)
     vocab_size = len(tokenizer)
@@ -144,12 +149,12 @@ def prepare(
     loop_started = time.perf_counter()
     try:
         resumed = _run(renderer, data, store, vocab_size, field, max_length, overflow, strict, chunk_records,
-                       redactor)
+                       redactor, vision)
     except UserError:
         store.remove()  # bad input (--strict) or options: nothing worth resuming
         raise
     loop_seconds = time.perf_counter() - loop_started
-    tmp, totals = _assemble_into_tmp(store, data, out, vocab_size)
+    tmp, totals = _assemble_into_tmp(store, data, out, vocab_size, vision is not None)
     summary = {
         "verifier": str(verifier),
         "verifier_id": verifier_id(verifier),
@@ -192,14 +197,15 @@ def _check_arguments(data: list[Path], max_length: int | None, chunk_records: in
     return Path(chat_template).read_text(encoding="utf-8")
 
 
-def _assemble_into_tmp(store: ChunkStore, data: list[Path], out: Path, vocab_size: int) -> tuple[Path, dict[str, Any]]:
+def _assemble_into_tmp(store: ChunkStore, data: list[Path], out: Path, vocab_size: int,
+                       images: bool) -> tuple[Path, dict[str, Any]]:
     """The committed chunks assembled into a fresh temporary folder next to ``out`` (removed on errors; the
     chunks too when the input holds nothing usable): the folder and its totals."""
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        return tmp, _assemble(store, data, tmp, vocab_size)
+        return tmp, _assemble(store, data, tmp, vocab_size, images)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, UserError):  # no records, none usable: nothing worth resuming
@@ -208,26 +214,33 @@ def _assemble_into_tmp(store: ChunkStore, data: list[Path], out: Path, vocab_siz
 
 
 @functools.cache
-def _features() -> Any:
+def _features(images: bool) -> Any:
+    """The prepared columns; a vision verifier's data adds each sample's image references and grids."""
     import datasets
 
-    return datasets.Features({
+    columns = {
         "input_ids": datasets.List(datasets.Value("int64")),
         "loss_mask": datasets.List(datasets.Value("int8")),
         "source": datasets.Value("string"),
-    })
+    }
+    if images:
+        columns["images"] = datasets.List(datasets.Value("string"))
+        columns["image_grid_thw"] = datasets.List(datasets.List(datasets.Value("int64")))
+    return datasets.Features(columns)
 
 
 class _Chunk:
     """Rows and counters of the records read since the last commit."""
 
-    def __init__(self) -> None:
+    def __init__(self, images: bool) -> None:
         self.rows: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "source": []}
+        if images:
+            self.rows |= {"images": [], "image_grid_thw": []}
         self.bad: list[dict[str, str]] = []
         self.dropped: Counter[str] = Counter()
         self.samples_dropped: Counter[str] = Counter()
         self.n = {"records_read": 0, "kept": 0, "samples": 0, "tokens": 0, "masked_tokens": 0, "truncated": 0,
-                  "split_records": 0, "boundary_tokens": 0, "redacted": 0}
+                  "split_records": 0, "boundary_tokens": 0, "redacted": 0, "images": 0}
 
     def stats(self, end: list[int]) -> dict[str, Any]:
         return {**self.n, "dropped": dict(self.dropped), "samples_dropped": dict(self.samples_dropped),
@@ -235,13 +248,15 @@ class _Chunk:
 
 
 def _run(renderer: ChatRenderer, data: list[Path], store: ChunkStore, vocab_size: int, field: str | None,
-         max_length: int | None, overflow: str, strict: bool, chunk_records: int, redactor: Redactor) -> int:
+         max_length: int | None, overflow: str, strict: bool, chunk_records: int, redactor: Redactor,
+         vision: Vision | None) -> int:
     """Render every record not yet committed; returns how many records earlier runs had committed."""
     index, start = store.open()
+    images = _Images(vision, data, store.folder / IMAGE_DIR)
     resumed = sum(stats["records_read"] for _, stats in store.chunks())
     warned = sum(len(stats["bad"]) for _, stats in store.chunks())
     position = list(start)
-    chunk = _Chunk()
+    chunk = _Chunk(vision is not None)
     total = count_records(data)
     progress = tqdm(read_records(data, field=field, start=start), total=total, initial=resumed, unit="rec",
                     desc="prepare", disable=None, mininterval=1.0)
@@ -266,41 +281,92 @@ def _run(renderer: ChatRenderer, data: list[Path], store: ChunkStore, vocab_size
         if redactor and record.messages is not None:
             record.messages, replaced = redactor.apply(record.messages)
             chunk.n["redacted"] += replaced
-        _render(renderer, record, chunk, bad, vocab_size, max_length, overflow)
+        _render(renderer, record, chunk, bad, vocab_size, max_length, overflow, images)
         if chunk.n["records_read"] == chunk_records:
-            store.commit(index, chunk.rows, _features(), chunk.stats(position))
-            index, chunk = index + 1, _Chunk()
+            store.commit(index, chunk.rows, _features(vision is not None), chunk.stats(position))
+            index, chunk = index + 1, _Chunk(vision is not None)
     progress.close()
     if chunk.n["records_read"]:
-        store.commit(index, chunk.rows, _features(), chunk.stats(position))
+        store.commit(index, chunk.rows, _features(vision is not None), chunk.stats(position))
     return resumed
 
 
+class _Images:
+    """The images of a record for the verifier's processor: their stored references (a relative path resolved
+    against its data file's folder; an inline image written once into ``folder``) and the decoded images."""
+
+    def __init__(self, vision: Vision | None, data: list[Path], folder: Path):
+        self.vision, self.data, self.folder = vision, data, folder
+
+    def of(self, record: Any) -> tuple[list[str], list[Any]]:
+        refs = image_refs(record.messages)
+        if not refs:
+            return [], []
+        if self.vision is None:
+            raise RecordError("images for a text-only verifier",
+                              f"{len(refs)} image(s), but the verifier has no image processor")
+        base = self.data[record.file] if self.data[record.file].is_dir() else self.data[record.file].parent
+        try:
+            stored = [store_reference(ref, base, self.folder) for ref in refs]
+            return stored, [open_image(ref, self.folder.parent) for ref in stored]
+        except ImageError as e:
+            raise RecordError("bad image", str(e)) from None
+
+    def expand(self, sample: Any, pictures: list[Any]) -> tuple[list[int], list[int], list[list[int]]]:
+        """The sample's ids and mask with its images' tokens expanded as the processor does, and their grids."""
+        if self.vision is None or not pictures:
+            return sample.input_ids, sample.loss_mask, []
+        n = sample.input_ids.count(self.vision.image_token_id)
+        try:
+            return self.vision.expand(sample.text, sample.input_ids, sample.loss_mask, pictures[:n])
+        except ImageError as e:
+            raise RecordError("bad image", str(e)) from None
+
+    def cut(self, ids: list[int], max_length: int) -> int:
+        """Where to truncate ``ids`` to at most ``max_length`` tokens without cutting through an image."""
+        cut = max_length
+        if self.vision is not None:
+            image = self.vision.image_token_id
+            while 0 < cut < len(ids) and ids[cut] == image and ids[cut - 1] == image:
+                cut -= 1
+        return cut
+
+    def count(self, ids: list[int]) -> int:
+        """How many (whole) images ``ids`` hold: runs of the image token."""
+        if self.vision is None:
+            return 0
+        image = self.vision.image_token_id
+        return sum(1 for i, t in enumerate(ids) if t == image and (i == 0 or ids[i - 1] != image))
+
+
 def _render(renderer: ChatRenderer, record: Any, chunk: _Chunk, bad: Any, vocab_size: int,
-            max_length: int | None, overflow: str) -> None:
+            max_length: int | None, overflow: str, images: _Images) -> None:
     """Add the samples of one record to ``chunk`` (or report it as bad)."""
     if record.error is not None:
         bad(record.where, record.error)
         return
     try:
-        produced = renderer.samples(record.messages, tools=record.tools)
+        refs, pictures = images.of(record)
+        produced = [(sample, *images.expand(sample, pictures))
+                    for sample in renderer.samples(record.messages, tools=record.tools)]
     except RecordError as e:
         bad(record.where, e)
         return
     usable, local_drops = [], Counter()
     truncated = 0
-    for sample in produced:
-        ids, mask = sample.input_ids, sample.loss_mask
+    for sample, ids, mask, grids in produced:
         if max_length is not None and len(ids) > max_length:
             if overflow == "drop":
                 local_drops["too long"] += 1
                 continue
-            ids, mask = ids[:max_length], mask[:max_length]
+            cut = images.cut(ids, max_length)
+            ids, mask = ids[:cut], mask[:cut]
             if not any(mask):
                 local_drops["no assistant tokens within max_length"] += 1
                 continue
             truncated += 1
-        usable.append((ids, mask, sample.boundary_tokens))
+        n_images = images.count(ids)
+        usable.append((ids, mask, sample.boundary_tokens, refs[:n_images], grids[:n_images]))
     if not usable:
         reason = next(iter(local_drops))
         bad(record.where, RecordError(reason, f"longer than max_length={max_length} tokens"), policy=True)
@@ -309,21 +375,26 @@ def _render(renderer: ChatRenderer, record: Any, chunk: _Chunk, bad: Any, vocab_
     chunk.n["kept"] += 1
     chunk.n["truncated"] += truncated
     chunk.n["split_records"] += len(usable) > 1
-    for ids, mask, n_boundary in usable:
+    for ids, mask, n_boundary, sample_refs, sample_grids in usable:
         top = max(ids) if ids else 0
         if top >= vocab_size:
             raise UserError(f"{record.where}: token id {top} is outside the tokenizer's {vocab_size} tokens")
         chunk.rows["input_ids"].append(ids)
         chunk.rows["loss_mask"].append(mask)
         chunk.rows["source"].append(record.where)
+        if "images" in chunk.rows:
+            chunk.rows["images"].append(sample_refs)
+            chunk.rows["image_grid_thw"].append(sample_grids)
         chunk.n["samples"] += 1
         chunk.n["tokens"] += len(ids)
         chunk.n["masked_tokens"] += sum(mask)
         chunk.n["boundary_tokens"] += n_boundary
+        chunk.n["images"] += len(sample_refs)
 
 
-def _assemble(store: ChunkStore, data: list[Path], tmp: Path, vocab_size: int) -> dict[str, Any]:
-    """The committed chunks -> ``dataset/``, ``token_counts.safetensors``, ``bad_records.jsonl``; the totals."""
+def _assemble(store: ChunkStore, data: list[Path], tmp: Path, vocab_size: int, images: bool) -> dict[str, Any]:
+    """The committed chunks -> ``dataset/``, ``token_counts.safetensors``, ``bad_records.jsonl`` (and the inline
+    images, ``images/``); the totals."""
     import datasets
     import pyarrow.compute as pc
     from datasets.table import MemoryMappedTable, concat_tables
@@ -356,11 +427,13 @@ def _assemble(store: ChunkStore, data: list[Path], tmp: Path, vocab_size: int) -
         reasons = ", ".join(f"{r}: {n}" for r, n in dropped.most_common())
         raise UserError(f"no usable records in {', '.join(map(str, data))} ({read} read; {reasons})")
     # the fingerprint is the content's hash, so that a resumed run writes the same bytes as an uninterrupted one
-    dataset = datasets.Dataset(concat_tables(tables), info=datasets.DatasetInfo(features=_features()),
+    dataset = datasets.Dataset(concat_tables(tables), info=datasets.DatasetInfo(features=_features(images)),
                                fingerprint=digest.hexdigest()[:16])
     dataset.save_to_disk(str(tmp / "dataset"))
     del dataset, tables
     save_file({"counts": torch.from_numpy(counts)}, str(tmp / "token_counts.safetensors"))
+    if (store.folder / IMAGE_DIR).is_dir():  # copied, not moved: the chunks stay whole until the output is published
+        shutil.copytree(store.folder / IMAGE_DIR, tmp / IMAGE_DIR)
     tokens, masked = totals["tokens"], totals["masked_tokens"]
     return {
         "records_read": read,
@@ -376,6 +449,7 @@ def _assemble(store: ChunkStore, data: list[Path], tmp: Path, vocab_size: int) -
         "distinct_masked_tokens": int((counts > 0).sum()),
         "boundary_tokens": totals["boundary_tokens"],
         "redacted": totals["redacted"],
+        **({"images": totals["images"]} if images else {}),
     }
 
 

@@ -44,6 +44,10 @@ class Redactor:
                 if isinstance(message.get(key), str):
                     message[key], n = self._text(message[key])
                     total += n
+            for part in message["content"] if isinstance(message.get("content"), list) else []:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):  # text beside images
+                    part["text"], n = self._text(part["text"])
+                    total += n
             for call in message.get("tool_calls") or []:
                 function = call.get("function") if isinstance(call, dict) else None
                 if isinstance(function, dict) and "arguments" in function:

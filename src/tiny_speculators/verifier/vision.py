@@ -1,0 +1,206 @@
+"""A vision-language verifier's images: references, loading, placeholder expansion and pixel inputs.
+
+The chat template writes one image token per image (Qwen-VL: ``<|vision_start|><|image_pad|><|vision_end|>``);
+the verifier's processor then repeats that token once per merged patch group of the image, a count that depends on
+the image's size. ``prepare`` stores the expanded token ids, so that the stored ids are exactly what the verifier
+(and vLLM, which expands the same way) sees, plus each image's reference and grid; ``extract`` and ``evaluate``
+rebuild the pixel inputs from the references. Pixels are never copied into the prepared data: a file image is
+referenced by its absolute path, an inline ``data:`` URL is written once, content-addressed, under the prepared
+folder's ``images/``.
+
+The expansion is the processor's own (``processor(text=..., images=...)``), aligned token by token with the plain
+tokenization that carries the loss mask; a processor that adds anything but repeats of the image token (Gemma 3's
+``<start_of_image>`` block) is reported instead of guessed.
+
+    from tiny_speculators.verifier.vision import Vision
+    vision = Vision.load("Qwen/Qwen2.5-VL-7B-Instruct")
+    ids, mask, grids = vision.expand(text, ids, mask, [vision.open("cat.png")])
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from tiny_speculators.atomic import write_bytes_atomic
+from tiny_speculators.errors import UserError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["IMAGE_DIR", "ImageError", "Vision", "image_only", "load_processor", "open_image", "store_reference"]
+
+IMAGE_DIR = "images"  # inline images of a prepared folder, content-addressed
+_MIME_EXT = {"image/png": "png", "image/jpeg": "jpg", "image/jpg": "jpg", "image/webp": "webp", "image/gif": "gif",
+             "image/bmp": "bmp"}
+
+
+class ImageError(ValueError):
+    """An image that cannot be used; the message names the reference and the reason."""
+
+
+def _data_url(ref: str) -> tuple[str, bytes]:
+    """``(extension, bytes)`` of a ``data:image/...;base64,...`` URL."""
+    header, _, payload = ref.partition(",")
+    mime = header[5:].split(";")[0].lower()
+    if ";base64" not in header or mime not in _MIME_EXT:
+        raise ImageError(f"inline image {ref[:40]}...: only base64 data URLs of {', '.join(_MIME_EXT)} are read")
+    try:
+        return _MIME_EXT[mime], base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageError(f"inline image {ref[:40]}...: the base64 payload is not valid") from None
+
+
+def store_reference(ref: Any, base: Path | None, images_dir: Path) -> str:
+    """What prepared data records for image reference ``ref``: the absolute path of a file (a relative path
+    resolves against ``base``, the data file's folder; ``file://`` URLs too) or ``images/<sha256>.<ext>`` for an
+    inline ``data:`` URL, whose bytes are written once into ``images_dir``. Remote URLs are refused: prepare does
+    not download (fetch them first, or let ``regenerate --backend vllm`` read them through the server)."""
+    if not isinstance(ref, str) or not ref.strip():
+        raise ImageError(f"image reference {ref!r} is not a path or URL")
+    if ref.startswith("data:"):
+        ext, data = _data_url(ref)
+        name = f"{hashlib.sha256(data).hexdigest()}.{ext}"
+        target = images_dir / name
+        if not target.is_file():
+            write_bytes_atomic(target, data, fsync=False)
+        return f"{IMAGE_DIR}/{name}"
+    scheme = urlparse(ref).scheme.lower()
+    if scheme in ("http", "https"):
+        raise ImageError(f"image {ref}: remote URLs are not downloaded by prepare; save the file and refer to it")
+    path = Path(unquote(urlparse(ref).path)) if scheme == "file" else Path(ref).expanduser()
+    if not path.is_absolute() and base is not None:
+        path = base / path
+    path = path.resolve()
+    if not path.is_file():
+        raise ImageError(f"image {ref}: no such file ({path})")
+    return str(path)
+
+
+def open_image(ref: str, root: Path | None = None):
+    """The RGB PIL image of a stored reference (``images/...`` resolves against ``root``, the prepared folder),
+    fully decoded, so that a truncated file fails here with its name."""
+    from PIL import Image, UnidentifiedImageError
+
+    path = Path(ref)
+    if not path.is_absolute() and root is not None:
+        path = root / path
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image.convert("RGB")
+    except FileNotFoundError:
+        raise ImageError(f"image {ref}: no such file") from None
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ImageError(f"image {ref}: not a readable image ({reason})") from None
+
+
+def image_only(cls: type) -> type:
+    """``cls`` (a Qwen-VL processor class) without its video processor, under the same name (so that it saves as
+    ``cls``): a processor's parts are its ``__init__``'s parameters, and transformers' video processors need
+    torchvision, which a CPU machine may lack (PyPI's build does not load beside a CPU torch)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        cls.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": __name__})
+
+
+def load_processor(source: str, trust_remote_code: bool = False) -> Any:
+    """``AutoProcessor.from_pretrained(source)``; without torchvision, which every Qwen-VL processor's video part
+    imports, the image-only processor (:func:`image_only`) of the class its ``processor_config.json`` names."""
+    import json
+
+    import transformers
+    from transformers.utils import cached_file
+
+    try:
+        return transformers.AutoProcessor.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except ImportError as e:
+        if "orchvision" not in str(e):
+            raise
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        path = cached_file(source, name, _raise_exceptions_for_missing_entries=False)
+        cls_name = json.loads(Path(path).read_text(encoding="utf-8")).get("processor_class") if path else None
+        if isinstance(cls_name, str) and isinstance(getattr(transformers, cls_name, None), type):
+            return image_only(getattr(transformers, cls_name)).from_pretrained(source)
+    raise ValueError(f"{source}: its processor needs torchvision, and no processor class is named to load without it")
+
+
+@dataclass
+class Vision:
+    """The verifier's processor, for what text-only code lacks: the image token and how many times it repeats."""
+
+    processor: Any
+    image_token: str
+    image_token_id: int
+
+    @classmethod
+    def load(cls, verifier: str | Path, trust_remote_code: bool = False) -> Vision | None:
+        """The verifier's vision processor; None for a text-only verifier (no image processor in its folder)."""
+        from tiny_speculators.verifier.load import resolve_verifier
+
+        source = resolve_verifier(verifier)
+        folder = Path(source)
+        if folder.is_dir() and not (folder / "preprocessor_config.json").is_file() \
+                and not (folder / "processor_config.json").is_file():
+            return None
+        try:
+            processor = load_processor(source, trust_remote_code)
+        except (OSError, ValueError, KeyError) as e:
+            log.debug("no processor for %s (%s)", verifier, e)
+            return None
+        image_token = getattr(processor, "image_token", None)
+        if getattr(processor, "image_processor", None) is None or not isinstance(image_token, str):
+            return None
+        token_id = processor.tokenizer.convert_tokens_to_ids(image_token)
+        if not isinstance(token_id, int) or token_id == processor.tokenizer.unk_token_id:
+            raise UserError(f"verifier {verifier}: its processor's image token {image_token!r} is not in its tokenizer")
+        return cls(processor, image_token, token_id)
+
+    def expand(self, text: str, ids: list[int], mask: list[int], images: list[Any]
+               ) -> tuple[list[int], list[int], list[list[int]]]:
+        """``ids`` / ``mask`` (``text`` tokenized, one image token per image) with each image token repeated as the
+        processor repeats it for ``images`` (in order), and each image's grid (``image_grid_thw`` rows; empty for
+        processors without one)."""
+        if ids.count(self.image_token_id) != len(images):
+            raise ImageError(f"the rendered chat holds {ids.count(self.image_token_id)} image tokens "
+                             f"({self.image_token}) for {len(images)} images")
+        if not images:
+            return ids, mask, []
+        out = self.processor(text=[text], images=images, add_special_tokens=False)
+        expanded = [int(t) for t in out["input_ids"][0]]
+        grids = [[int(v) for v in row] for row in out.get("image_grid_thw", [])]
+        new_ids, new_mask, j = [], [], 0
+        for token, m in zip(ids, mask, strict=True):
+            if token == self.image_token_id:
+                n = 0
+                while j + n < len(expanded) and expanded[j + n] == token:
+                    n += 1
+                if n == 0 or m:
+                    break
+                new_ids += [token] * n
+                new_mask += [0] * n
+                j += n
+            elif j < len(expanded) and expanded[j] == token:
+                new_ids.append(token)
+                new_mask.append(m)
+                j += 1
+            else:
+                break
+        if j != len(expanded) or len(new_ids) != len(expanded):
+            raise ImageError(f"{type(self.processor).__name__} expands images into more than repeats of "
+                             f"{self.image_token!r} (or an image sits in an assistant turn): prepare reads Qwen-VL-"
+                             "style processors")
+        return new_ids, new_mask, grids
+
+    def pixel_inputs(self, images: list[Any]) -> dict[str, Any]:
+        """The image processor's tensors for ``images`` (``pixel_values``, ``image_grid_thw``), as the model's
+        forward takes them."""
+        return dict(self.processor.image_processor(images=images, return_tensors="pt"))
