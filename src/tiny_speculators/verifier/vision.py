@@ -3,8 +3,8 @@
 The chat template writes one image token per image (Qwen-VL: ``<|vision_start|><|image_pad|><|vision_end|>``);
 the verifier's processor then repeats that token once per merged patch group of the image, a count that depends on
 the image's size. ``prepare`` stores the expanded token ids, so that the stored ids are exactly what the verifier
-(and vLLM, which expands the same way) sees, plus each image's reference and grid; ``extract`` and ``evaluate``
-rebuild the pixel inputs from the references. Pixels are never copied into the prepared data: a file image is
+sees (that vLLM expands the same way is not proven yet), plus each image's reference and grid, from which later
+stages can rebuild the pixel inputs (extraction and evaluation with images are not built yet). Pixels are never copied into the prepared data: a file image is
 referenced by its absolute path, an inline ``data:`` URL is written once, content-addressed, under the prepared
 folder's ``images/``.
 
@@ -199,8 +199,3 @@ class Vision:
                              f"{self.image_token!r} (or an image sits in an assistant turn): prepare reads Qwen-VL-"
                              "style processors")
         return new_ids, new_mask, grids
-
-    def pixel_inputs(self, images: list[Any]) -> dict[str, Any]:
-        """The image processor's tensors for ``images`` (``pixel_values``, ``image_grid_thw``), as the model's
-        forward takes them."""
-        return dict(self.processor.image_processor(images=images, return_tensors="pt"))
