@@ -1,12 +1,12 @@
-"""A vision-language verifier's images: references, loading, placeholder expansion and pixel inputs.
+"""A vision-language verifier's images: references, loading and placeholder expansion.
 
 The chat template writes one image token per image (Qwen-VL: ``<|vision_start|><|image_pad|><|vision_end|>``);
 the verifier's processor then repeats that token once per merged patch group of the image, a count that depends on
 the image's size. ``prepare`` stores the expanded token ids, so that the stored ids are exactly what the verifier
 sees (that vLLM expands the same way is not proven yet), plus each image's reference and grid, from which later
-stages can rebuild the pixel inputs (extraction and evaluation with images are not built yet). Pixels are never copied into the prepared data: a file image is
-referenced by its absolute path, an inline ``data:`` URL is written once, content-addressed, under the prepared
-folder's ``images/``.
+stages can rebuild the pixel inputs (extraction and evaluation with images are not built yet). Pixels are never
+copied into the prepared data: a file image is referenced by its absolute path, an inline ``data:`` URL is written
+once, content-addressed, under the prepared folder's ``images/``.
 
 The expansion is the processor's own (``processor(text=..., images=...)``), aligned token by token with the plain
 tokenization that carries the loss mask; a processor that adds anything but repeats of the image token (Gemma 3's
