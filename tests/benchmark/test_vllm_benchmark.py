@@ -223,7 +223,9 @@ def _monitor_sees_an_induced_drop(url: str, tmp_path: Path) -> None:
     """``monitor`` on the same server: a window of greedy traffic on prompts the test draft was trained on, then the
     same prompts sampled at temperature 1.5 (the draft proposes the greedy tokens, which sampling at 1.5 rarely
     picks: served τ drops). Each window's counters are what /metrics counted; the second window, judged against the
-    first's τ less 10%, alerts."""
+    first's τ less 5%, alerts. The test draft's greedy τ is only ~1.13 (10 of 77 drafts accepted): at 10% the
+    sampled window had to accept at most 1 of ~91 drafts, and a CI run's 2 of 91 (τ 1.022) missed it; at 5% up to 6
+    of 91 alert, against the 0 to 3 seen."""
     import threading
 
     from vllm_helpers import TRAIN_PROMPTS
@@ -238,7 +240,7 @@ def _monitor_sees_an_induced_drop(url: str, tmp_path: Path) -> None:
         traffic.start()
         expected = windows[0]["served_tau"] if windows else None
         try:
-            windows.append(monitor(url, tmp_path / f"monitor-{temperature}", expected_tau=expected, tolerance=0.1,
+            windows.append(monitor(url, tmp_path / f"monitor-{temperature}", expected_tau=expected, tolerance=0.05,
                                    interval=15, windows=1, min_drafts=5))
         except ServedTauAlert as alert:
             windows.append(json.loads((tmp_path / f"monitor-{temperature}" / "summary.json").read_text()))
@@ -252,7 +254,7 @@ def _monitor_sees_an_induced_drop(url: str, tmp_path: Path) -> None:
             assert windows[-1][key] == counter(after, name) - counter(before, name)
     good, sampled = windows
     assert good["alerts"] == 0 and "raised" not in good and good["served_tau"] > 1
-    assert sampled["served_tau"] < 0.9 * good["served_tau"] and sampled["alerts"] == 1
+    assert sampled["served_tau"] < 0.95 * good["served_tau"] and sampled["alerts"] == 1
     assert sampled["raised"].startswith("served τ fell below")
 
 
