@@ -251,3 +251,11 @@ def make_tiny_deepseek(path: Path, tokenizer, seed: int = 3, num_layers: int = 2
 def tiny_deepseek_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
     return make_tiny_deepseek(tmp_path_factory.mktemp("tiny-deepseek"), smollm2_tokenizer)
 
+
+
+@pytest.fixture(scope="session", params=["qwen2_5_vl", "qwen3_vl"])
+def tiny_vl_dir(request, tmp_path_factory, smollm2_tokenizer) -> Path:
+    """A tiny random Qwen2.5-VL, then Qwen3-VL verifier with its (image-only) processor (``tiny_vl.py``)."""
+    from tiny_vl import make_tiny_vl
+
+    return make_tiny_vl(tmp_path_factory.mktemp(f"tiny-{request.param}"), request.param, smollm2_tokenizer)
