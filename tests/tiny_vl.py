@@ -150,3 +150,33 @@ def make_image(path: Path, size: tuple[int, int] = (56, 56), seed: int = 0) -> P
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(pixels.numpy()).save(path, format="PNG")
     return path
+
+
+def write_image_chats(folder: Path) -> tuple[Path, list[dict]]:
+    """Write ``folder/chats.jsonl``: four chats in the layouts prepare reads (an image part by relative path and an
+    ``image_url`` by ``file://`` URL in one two-turn chat, an inline ``data:`` URL of the same small image, a LLaVA
+    ``<image>`` marker, and a chat without images), the images under ``folder/img``; returns the file and its
+    records."""
+    import base64
+    import json
+
+    small, wide = make_image(folder / "img" / "small.png"), make_image(folder / "img" / "wide.png", (112, 56), 1)
+    inline = "data:image/png;base64," + base64.b64encode(small.read_bytes()).decode()
+
+    def user(*parts):
+        return {"role": "user", "content": [p if isinstance(p, dict) else {"type": "text", "text": p} for p in parts]}
+
+    records = [
+        {"messages": [user({"type": "image", "image": "img/small.png"}, "What is this?"),
+                      {"role": "assistant", "content": "Noise."},
+                      user("And this one?", {"type": "image_url", "image_url": {"url": wide.as_uri()}}),
+                      {"role": "assistant", "content": "Wider noise."}]},
+        {"messages": [user({"type": "image_url", "image_url": {"url": inline}}, "Again?"),
+                      {"role": "assistant", "content": "Yes, again."}]},
+        {"images": ["img/wide.png"], "conversations": [{"from": "human", "value": "<image>\nShape?"},
+                                                        {"from": "gpt", "value": "Wide."}]},
+        {"messages": [{"role": "user", "content": "No picture here."}, {"role": "assistant", "content": "Fine."}]},
+    ]
+    data = folder / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return data, records

@@ -4,7 +4,6 @@ assistant text only, pixels stay out of the prepared data, and a bad image drops
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 from pathlib import Path
@@ -17,7 +16,7 @@ from tiny_speculators.data.prepare import prepare
 from tiny_speculators.data.prepared import load_prepared
 from tiny_speculators.errors import UserError
 from tiny_speculators.verifier.vision import Vision, open_image
-from tiny_vl import IMAGE_PAD, make_image
+from tiny_vl import IMAGE_PAD, make_image, write_image_chats
 
 
 def _user(*parts):
@@ -74,27 +73,6 @@ def test_unsupported_image_layouts_name_the_reason(record, reason):
     assert e.value.reason == reason
 
 
-def _chats(folder: Path) -> tuple[Path, list[dict]]:
-    """A JSONL of image chats (relative paths, a file:// URL, a data URL used twice, LLaVA markers) and the images'
-    absolute paths in order."""
-    small, wide = make_image(folder / "img" / "small.png"), make_image(folder / "img" / "wide.png", (112, 56), 1)
-    inline = "data:image/png;base64," + base64.b64encode(small.read_bytes()).decode()
-    records = [
-        {"messages": [_user({"type": "image", "image": "img/small.png"}, _text("What is this?")),
-                      {"role": "assistant", "content": "Noise."},
-                      _user(_text("And this one?"), {"type": "image_url", "image_url": {"url": wide.as_uri()}}),
-                      {"role": "assistant", "content": "Wider noise."}]},
-        {"messages": [_user({"type": "image_url", "image_url": {"url": inline}}, _text("Again?")),
-                      {"role": "assistant", "content": "Yes, again."}]},
-        {"images": ["img/wide.png"], "conversations": [{"from": "human", "value": "<image>\nShape?"},
-                                                        {"from": "gpt", "value": "Wide."}]},
-        {"messages": [{"role": "user", "content": "No picture here."}, {"role": "assistant", "content": "Fine."}]},
-    ]
-    data = folder / "chats.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return data, records
-
-
 def _processor_messages(record: dict, folder: Path) -> list[dict]:
     """``record``'s turns as the processor's chat template takes them, images as absolute paths."""
     messages, _ = normalize_record(record)
@@ -108,7 +86,7 @@ def _processor_messages(record: dict, folder: Path) -> list[dict]:
 
 
 def test_prepared_ids_are_the_processors_own(tmp_path, tiny_vl_dir, caplog):
-    data, records = _chats(tmp_path)
+    data, records = write_image_chats(tmp_path)
     caplog.set_level(logging.INFO)
     summary = prepare(str(tiny_vl_dir), [data], tmp_path / "out")
     assert summary["kept"] == 4 and summary["dropped"] == {} and summary["images"] == 4
@@ -141,7 +119,7 @@ def test_prepared_ids_are_the_processors_own(tmp_path, tiny_vl_dir, caplog):
 
 
 def test_a_bad_image_drops_its_record_in_one_line(tmp_path, tiny_vl_dir, caplog):
-    data, _ = _chats(tmp_path)
+    data, _ = write_image_chats(tmp_path)
     corrupt = tmp_path / "img" / "corrupt.png"
     corrupt.write_bytes((tmp_path / "img" / "small.png").read_bytes()[:60])
     lines = data.read_text().splitlines()

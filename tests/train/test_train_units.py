@@ -112,6 +112,17 @@ def test_collate_pads_right_and_packs_with_document_ids():
     assert torch.equal(packed["last_hidden_state"][0, 3:], b["last_hidden_state"])
 
 
+def test_collate_keeps_stored_positions():
+    """A vision-language verifier's samples carry their positions (text after an image skips ahead): padding and
+    packing keep them; padding continues a row's last position; a sample without them counts from 0."""
+    a, b = _sample(3), _sample(5, start=10)
+    a["position_ids"] = torch.tensor([0, 1, 3])
+    pad = collate([a, b])
+    assert pad["position_ids"].tolist() == [[0, 1, 3, 4, 5], [0, 1, 2, 3, 4]]
+    b["position_ids"] = torch.tensor([0, 2, 2, 3, 4])
+    assert collate([a, b], pack=True)["position_ids"][0].tolist() == [0, 1, 3, 0, 2, 2, 3, 4]
+
+
 def test_atomic_dir_prune_and_latest(tmp_path):
     for step in (1, 2, 3, 4):
         C.write_atomic_dir(C.step_dir(tmp_path, step), lambda d: (d / C.META_FILE).write_text("{}"))

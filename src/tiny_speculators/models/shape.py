@@ -108,6 +108,10 @@ def rope_parameters_of(cfg: Any) -> dict[str, Any]:
         out = dict(_get(cfg, "rope_scaling") or {})
         out["rope_theta"] = float(_get(cfg, "rope_theta", 10000.0))
     out["rope_type"] = out.pop("type", None) or out.get("rope_type") or "default"
+    # a vision-language verifier's M-RoPE: the draft is text-only and runs at 1-D positions (vLLM gives a draft
+    # without M-RoPE the temporal row of the verifier's positions), so it keeps the frequencies, not the sections
+    for key in ("mrope_section", "mrope_interleaved"):
+        out.pop(key, None)
     return out
 
 

@@ -34,6 +34,8 @@ class HiddenStateReader:
     ``reader[i]`` returns a dict with
       - ``input_ids``: LongTensor (T,)
       - ``loss_mask``: LongTensor (T,) of 0/1
+      - ``position_ids``: LongTensor (T,), only where the manifest says ``position_ids`` (a vision-language
+        verifier's data): the RoPE positions the text-only draft runs at (the M-RoPE temporal row)
       - ``aux_hidden_states``: float (T, n_aux*H), the inputs of ``manifest["aux_layer_ids"]`` concatenated in
         that order (fp8 layouts are dequantized transparently)
       - layouts ``full``/``fp8``: ``last_hidden_state`` float (T, H), the final layer's PRE-norm output, so
@@ -120,6 +122,8 @@ class HiddenStateReader:
             return handle.get_slice(name)[a:b]
 
         sample = {"input_ids": rows("input_ids").long(), "loss_mask": rows("loss_mask").long()}
+        if self.manifest.get("position_ids"):
+            sample["position_ids"] = rows("position_ids").long()
         if self.layout.aux_fp8:
             sample["aux_hidden_states"] = dequantize_fp8(rows("aux_hidden_states"), rows("aux_scales"), self.dtype)
         else:

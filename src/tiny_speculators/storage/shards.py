@@ -51,6 +51,8 @@ def encode_shard(layout: Layout, n_aux: int, samples: list[dict[str, torch.Tenso
         "loss_mask": torch.cat([s["loss_mask"] for s in samples]).to(torch.uint8),  # (N,)
         "sample_offsets": torch.cumsum(lengths, 0),  # (n+1,)
     }
+    if "positions" in samples[0]:  # a vision-language verifier's: the RoPE positions a text-only draft runs at
+        tensors["position_ids"] = torch.cat([s["positions"] for s in samples]).to(torch.int32)  # (N,)
     if layout.aux_fp8:
         quantized = [(s["aux"], s["aux_scales"]) if "aux_scales" in s else quantize_fp8(s["aux"], n_aux)
                      for s in samples]
@@ -130,6 +132,8 @@ def expected_tensors(manifest: dict[str, Any], n: int, tokens: int) -> dict[str,
     store = str(STORE_DTYPES[manifest["dtype"]]).removeprefix("torch.")
     spec = {"input_ids": ((tokens,), "int32"), "loss_mask": ((tokens,), "uint8"),
             "sample_offsets": ((n + 1,), "int64")}
+    if manifest.get("position_ids"):
+        spec["position_ids"] = ((tokens,), "int32")
     if layout.aux_fp8:
         spec["aux_hidden_states"] = ((tokens, n_aux * hidden), "float8_e4m3fn")
         spec["aux_scales"] = ((tokens, n_aux), "float32")

@@ -143,6 +143,8 @@ def collate(samples: list[dict[str, torch.Tensor]], *, pack: bool = False) -> di
     Padding (default): ``[B, Tmax]`` rows padded on the right (``loss_mask`` 0, ``attention_mask`` 0 there,
     hidden states 0); causal attention keeps real positions unaffected by the padding.
     Packing: one row ``[1, sum T]``, ``document_ids`` per token and positions restarting per sample.
+    Samples that carry ``position_ids [T]`` (a vision-language verifier's text positions, which skip ahead past
+    an image) keep them; padding continues each row's last position.
     """
     if not samples:
         raise ValueError("empty micro-batch")
@@ -152,7 +154,7 @@ def collate(samples: list[dict[str, torch.Tensor]], *, pack: bool = False) -> di
         batch: dict[str, Any] = {
             "input_ids": torch.cat([s["input_ids"].long() for s in samples])[None],
             "loss_mask": torch.cat([s["loss_mask"].long() for s in samples])[None],
-            "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+            "position_ids": torch.cat([_positions(s, n) for s, n in zip(samples, lengths, strict=True)])[None],
             "document_ids": torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None],
             "attention_mask": torch.ones(1, sum(lengths), dtype=torch.long),
         }
@@ -167,14 +169,23 @@ def collate(samples: list[dict[str, torch.Tensor]], *, pack: bool = False) -> di
         input_ids[i, :n] = s["input_ids"].long()
         loss_mask[i, :n] = s["loss_mask"].long()
         attention_mask[i, :n] = 1
+    position_ids = torch.arange(t)[None].repeat(b, 1)
+    for i, (s, n) in enumerate(zip(samples, lengths, strict=True)):
+        if "position_ids" in s:
+            position_ids[i, :n] = s["position_ids"].long()
+            position_ids[i, n:] = position_ids[i, n - 1] + 1 + torch.arange(t - n)
     batch = {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask,
-             "position_ids": torch.arange(t)[None].expand(b, t).contiguous()}
+             "position_ids": position_ids}
     for k in tensor_keys:
         out = samples[0][k].new_zeros(b, t, samples[0][k].shape[-1])
         for i, (s, n) in enumerate(zip(samples, lengths, strict=True)):
             out[i, :n] = s[k]
         batch[k] = out
     return batch
+
+
+def _positions(sample: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+    return sample["position_ids"].long() if "position_ids" in sample else torch.arange(n)
 
 
 def batch_tokens_of(batch: dict[str, Any]) -> int:

@@ -72,7 +72,8 @@ class OfflineSource:
         return {int(s["start"]) + j for s in self.manifest["shards"] for j in s.get("reused", [])}
 
     def batch(self, indices: list[int], device: torch.device, pack: bool) -> dict[str, Any]:
-        keys = ("input_ids", "loss_mask", "aux_hidden_states", *self.target_keys)
+        keys = ("input_ids", "loss_mask", "aux_hidden_states", *self.target_keys,
+                *(("position_ids",) if self.manifest.get("position_ids") else ()))
         samples = [{k: s[k] for k in keys} for s in (self.reader[i] for i in indices)]
         if self._slots is not None:
             for s in samples:

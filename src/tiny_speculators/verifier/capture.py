@@ -17,6 +17,7 @@ and only the requested layers' states are kept.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,15 +25,27 @@ from torch import nn
 from tiny_speculators.errors import UserError
 from tiny_speculators.verifier.modules import VerifierParts, find_parts
 
-__all__ = ["capture_hidden_states", "check_layer_ids", "default_aux_layer_ids"]
+__all__ = ["capture_hidden_states", "check_layer_ids", "default_aux_layer_ids", "first_aux_layer"]
 
 
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """The default spread of aux layers (what extract stores unless told): the inputs of layers 2, N//2 and N-3."""
-    if num_layers < 4:
+def default_aux_layer_ids(num_layers: int, first: int = 2) -> list[int]:
+    """The default spread of aux layers (what extract stores unless told): the inputs of layers 2, N//2 and N-3.
+    ``first`` moves the lowest one up (:func:`first_aux_layer`: past a Qwen3-VL verifier's DeepStack layers)."""
+    if num_layers < 4 or not first < num_layers // 2:
         raise UserError(f"a verifier with {num_layers} layers is too shallow for the default aux layers "
-                        "[2, N//2, N-3]; give the layer ids explicitly")
-    return [2, num_layers // 2, num_layers - 3]
+                        f"[{first}, N//2, N-3]; give the layer ids explicitly")
+    return [first, num_layers // 2, num_layers - 3]
+
+
+def first_aux_layer(config: Any) -> int:
+    """The lowest default aux layer for a verifier of ``config`` (a transformers config or its dict): 2, or for a
+    Qwen3-VL-style verifier whose vision tower adds DeepStack features to the outputs of its first n decoder layers,
+    n (3 for Qwen3-VL): the input of layer n is the first that holds all of them, in HF and in vLLM alike (both add
+    them after the layer, before the next layer's input is taken), as SpecForge's Qwen3-VL recipe starts at 3."""
+    vision = config.get("vision_config") if isinstance(config, dict) else getattr(config, "vision_config", None)
+    indexes = (vision.get("deepstack_visual_indexes") if isinstance(vision, dict)
+               else getattr(vision, "deepstack_visual_indexes", None)) if vision is not None else None
+    return max(2, len(indexes)) if indexes else 2
 
 
 def check_layer_ids(layer_ids: Sequence[int], num_layers: int, allow_last: bool = False) -> list[int]:
@@ -60,6 +73,7 @@ def capture_hidden_states(
     attention_mask: torch.Tensor | None,
     aux_layer_ids: Sequence[int],
     parts: VerifierParts | None = None,
+    images: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the verifier's decoder once and return ``(aux (B, T, n_aux*H), last (B, T, H))``.
 
@@ -69,6 +83,9 @@ def capture_hidden_states(
         attention_mask: (B, T) 1 for real tokens, 0 for padding (or None: no padding).
         aux_layer_ids: layers whose INPUT to capture, in output order (N: the last layer's output).
         parts: ``find_parts(model)``, to skip the module search on every call.
+        images: a vision-language verifier's image inputs for the batch (``pixel_values``, ``image_grid_thw``,
+            ``mm_token_type_ids``: :meth:`~tiny_speculators.verifier.vision.Vision.inputs`): the vision tower and
+            the model's own M-RoPE positions run too.
     """
     parts = parts or find_parts(model)
     ids = check_layer_ids(aux_layer_ids, parts.num_hidden_layers, allow_last=True)
@@ -87,7 +104,12 @@ def capture_hidden_states(
                for i in ids if i < parts.num_hidden_layers]
     handles.append(parts.layers[-1].register_forward_hook(last_hook))
     try:
-        parts.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        if images:
+            if parts.multimodal is None:
+                raise UserError(f"{type(model).__name__} has no vision tower to read images with")
+            parts.multimodal(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **images)
+        else:
+            parts.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()

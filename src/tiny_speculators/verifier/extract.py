@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,13 +39,19 @@ from tiny_speculators.storage.manifest import done_shards, init_plan, merge_mani
 from tiny_speculators.storage.reader import verify_extraction
 from tiny_speculators.storage.shards import ShardWriter
 from tiny_speculators.tables import print_summary_table
-from tiny_speculators.verifier.capture import capture_hidden_states, check_layer_ids, default_aux_layer_ids
+from tiny_speculators.verifier.capture import (
+    capture_hidden_states,
+    check_layer_ids,
+    default_aux_layer_ids,
+    first_aux_layer,
+)
 from tiny_speculators.verifier.describe import text_config
 from tiny_speculators.verifier.guard import GUARD_POSITIONS, GUARD_TOKENS, Guard, default_agreement
 from tiny_speculators.verifier.head import TargetHead, load_verifier_head
 from tiny_speculators.verifier.load import load_tokenizer, load_verifier, parse_dtype, verifier_id
 from tiny_speculators.verifier.modules import VerifierParts, find_parts
 from tiny_speculators.verifier.reuse import ReuseIndex
+from tiny_speculators.verifier.vision import ImageError, Vision
 from tiny_speculators.verifier.vllm_extract import LOG_NAME, VllmHiddenStates, verifier_skeleton, vllm_extract_python
 
 __all__ = ["Source", "extract", "load_prepared_dir", "make_sample", "plan_shards", "token_batches"]
@@ -153,13 +160,49 @@ def make_sample(records: dict[str, list], i: int, aux: torch.Tensor, last: torch
     return out
 
 
+@dataclass
+class _Images:
+    """A vision-language verifier's processor and where the prepared data's ``images/`` lie."""
+
+    vision: Vision
+    root: Path
+
+    def of(self, records: dict[str, list], rows: list[int], ids: torch.Tensor, dtype: torch.dtype,
+           device: str) -> dict[str, torch.Tensor] | None:
+        """The image inputs of ``records``' samples ``rows`` (ids (B, T) padded), on ``device``."""
+        try:
+            inputs = self.vision.inputs(ids, [records["images"][i] for i in rows],
+                                        [records["image_grid_thw"][i] for i in rows], self.root)
+        except ImageError as e:
+            raise UserError(f"{self.root}: sample {records['source'][rows[0]]}: {e}") from None
+        if inputs is None:
+            return None
+        inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+        return {k: v.to(device) for k, v in inputs.items()}
+
+    @staticmethod
+    def positions(parts: VerifierParts, ids: torch.Tensor, mask: torch.Tensor,
+                  inputs: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """``(B, T)`` the RoPE positions a text-only draft runs at beside this verifier: the first (temporal) row
+        of the model's own M-RoPE positions (``get_rope_index``), which vLLM gives a draft without M-RoPE; text
+        after an image continues from the image's largest grid index, not from its token count."""
+        if inputs is None:
+            return torch.arange(ids.shape[1])[None].expand_as(ids)
+        rope, _ = parts.multimodal.get_rope_index(ids, inputs["mm_token_type_ids"],
+                                                  image_grid_thw=inputs["image_grid_thw"], attention_mask=mask)
+        return rope[0].cpu()
+
+
 @torch.inference_mode()
 def _run_shard(model, parts: VerifierParts, records: dict[str, list], aux_ids: list[int], layout: Layout,
-               device: str, max_tokens: int, store_dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
-    """Forward the shard's samples in token-budget batches; per sample (in order) its stored tensors."""
+               device: str, max_tokens: int, store_dtype: torch.dtype, images: _Images | None = None
+               ) -> list[dict[str, torch.Tensor]]:
+    """Forward the shard's samples in token-budget batches (with their images, if any); per sample (in order) its
+    stored tensors."""
     lengths = [len(x) for x in records["input_ids"]]
     results: list[dict[str, torch.Tensor] | None] = [None] * len(lengths)
     head = TargetHead(parts.norm, parts.lm_head)
+    dtype = parts.embed_tokens.weight.dtype
     for batch in token_batches(lengths, max_tokens):
         width = lengths[batch[0]]
         ids = torch.zeros(len(batch), width, dtype=torch.long)
@@ -167,29 +210,38 @@ def _run_shard(model, parts: VerifierParts, records: dict[str, list], aux_ids: l
         for row, i in enumerate(batch):  # right padding, masked out
             ids[row, : lengths[i]] = torch.tensor(records["input_ids"][i])
             mask[row, : lengths[i]] = 1
-        aux, last = capture_hidden_states(model, ids.to(device), mask.to(device), aux_ids, parts=parts)
+        pixels = images.of(records, batch, ids, dtype, device) if images is not None else None
+        aux, last = capture_hidden_states(model, ids.to(device), mask.to(device), aux_ids, parts=parts,
+                                          images=pixels)
+        positions = _Images.positions(parts, ids.to(device), mask.to(device), pixels) if images else None
         for row, i in enumerate(batch):
             n = lengths[i]
             results[i] = make_sample(records, i, aux[row, :n], last[row, :n], layout, store_dtype, head, device)
-    results[0].update(_verifier_choices(model, records["input_ids"][0], device))  # type: ignore[union-attr]
+            if positions is not None:
+                results[i]["positions"] = positions[row, :n].clone()
+    first = torch.tensor([records["input_ids"][0]])
+    pixels = images.of(records, [0], first, dtype, device) if images is not None else None
+    results[0].update(_verifier_choices(model, first, device, pixels))  # type: ignore[union-attr]
     return results  # type: ignore[return-value]
 
 
 @torch.inference_mode()
-def _verifier_choices(model, ids: list[int], device: str, count: int = 64) -> dict[str, torch.Tensor]:
+def _verifier_choices(model, ids: torch.Tensor, device: str, images: dict[str, torch.Tensor] | None = None,
+                      count: int = 64) -> dict[str, torch.Tensor]:
     """The guard's reference: the whole verifier's own greedy next token at ``count`` positions spread over one
-    sample (its forward computes logits only there)."""
-    positions = torch.linspace(0, len(ids) - 1, min(count, len(ids))).round().long().unique()
-    logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False,
-                   logits_to_keep=positions.to(device)).logits[0]
+    sample (``ids`` (1, T), with its images; its forward computes logits only there)."""
+    n = ids.shape[1]
+    positions = torch.linspace(0, n - 1, min(count, n)).round().long().unique()
+    logits = model(input_ids=ids.to(device), use_cache=False, logits_to_keep=positions.to(device),
+                   **(images or {})).logits[0]
     return {GUARD_POSITIONS: positions, GUARD_TOKENS: logits.float().argmax(-1).cpu()}
 
 
 def _hf_source(model, parts: VerifierParts, aux_ids: list[int], layout: Layout, device: str, max_tokens: int,
-               store_dtype: torch.dtype) -> Source:
+               store_dtype: torch.dtype, images: _Images | None = None) -> Source:
     def run(shards: Iterable[dict[str, list]]) -> Iterator[list[dict[str, torch.Tensor]]]:
         for records in shards:
-            yield _run_shard(model, parts, records, aux_ids, layout, device, max_tokens, store_dtype)
+            yield _run_shard(model, parts, records, aux_ids, layout, device, max_tokens, store_dtype, images)
 
     return run
 
@@ -310,11 +362,19 @@ def extract(
     if not verifier:
         raise UserError(f"{data}/summary.json names no verifier; pass --verifier")
     device, dtype = _resolve(device, dtype)
+    with_images = "images" in dataset.column_names and any(dataset["images"])
+    if with_images and backend != "hf":
+        raise UserError(f"{data} holds images: extract --backend {backend} does not feed images yet; use "
+                        "--backend hf")
+    if with_images and reuse is not None:
+        raise UserError(f"{data} holds images: --reuse matches token ids only, which do not tell images apart")
     model, source, vllm_py = _load(verifier, backend, dtype, device, out, vllm_venv, allow_untested_vllm,
                                    trust_remote_code)
     parts = find_parts(model)
-    aux_ids = check_layer_ids(layers if layers else default_aux_layer_ids(parts.num_hidden_layers),
+    aux_ids = check_layer_ids(layers if layers else default_aux_layer_ids(parts.num_hidden_layers,
+                                                                          first_aux_layer(model.config)),
                               parts.num_hidden_layers)
+    images = _images_of(data, verifier, trust_remote_code) if with_images else None
     embed_vocab = parts.embed_tokens.num_embeddings
     _check_vocabulary(data, prepared, verifier, embed_vocab, trust_remote_code)
     store = Layout.parse(layout, topk)
@@ -325,6 +385,8 @@ def extract(
         raise UserError(f"prepared dataset {data} has no records")
     plan = plan_shards(lengths, max(1, int(shard_mb * 2**20 / per_token)))
     settings = _settings(verifier, model, parts, aux_ids, dtype, store, dataset, lengths, backend)
+    if images is not None:  # each sample's draft positions (position_ids) are stored too
+        settings["position_ids"] = True
     if reuse is not None and Path(reuse).resolve() == out.resolve():
         raise UserError(f"--reuse {reuse} is the --out folder: reuse an earlier extraction's folder")
     index = ReuseIndex.open(Path(reuse), settings) if reuse is not None else None
@@ -354,7 +416,7 @@ def extract(
             run = _vllm_source(stack, vllm_py, source, head, aux_ids, parts, store, dtype, device, out, rank_,
                                max(lengths) + 1, max_tokens_per_batch, enforce_eager, trust_remote_code)
         else:
-            run = _hf_source(model, parts, aux_ids, store, device, max_tokens_per_batch, store_dtype)
+            run = _hf_source(model, parts, aux_ids, store, device, max_tokens_per_batch, store_dtype, images)
         groups = [(to_compute, run)] if index is None else [
             (sorted(copied), index.copies), (to_compute, index.wrap(run))]
         written, seconds = [], 0.0
@@ -374,6 +436,15 @@ def extract(
     _write_summary(out, summary, manifest, rank_, world)
     _report(summary, f"extract -> {out}")
     return summary
+
+
+def _images_of(data: Path, verifier: str, trust_remote_code: bool) -> _Images:
+    """The image inputs' maker for prepared data with images (the HF backend only, and no ``--reuse``: its index
+    matches token ids, which do not tell two images of one size apart)."""
+    vision = Vision.load(verifier, trust_remote_code)
+    if vision is None:
+        raise UserError(f"{data} holds images, but verifier {verifier} has no image processor")
+    return _Images(vision, data)
 
 
 def _load(verifier: str, backend: str, dtype: str, device: str, out: Path, vllm_venv: Path | None,

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from tiny_speculators.verifier.describe import read_tensors, safetensor_index
-from tiny_speculators.verifier.load import load_verifier, resolve_verifier
+from tiny_speculators.verifier.load import load_verifier, model_class, resolve_verifier
 from tiny_speculators.verifier.modules import find_parts
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def _load_partial(folder: Path, config, dtype: torch.dtype) -> VerifierHead | No
     if not files:
         return None
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = model_class(config, AutoModelForCausalLM).from_config(config, dtype=dtype)
     parts = find_parts(model)
     loaded = {}
     for key, module in (("norm", parts.norm), ("lm_head", parts.lm_head), ("embed", parts.embed_tokens)):

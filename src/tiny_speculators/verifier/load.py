@@ -82,6 +82,18 @@ def check_not_quantized(name: str | Path, config) -> None:
                     "(benchmark)")
 
 
+def model_class(config, causal_lm: type) -> type:
+    """``AutoModelForImageTextToText`` for a vision-language config that is not also a causal LM (Qwen2.5-VL,
+    Qwen3-VL: their ``...ForConditionalGeneration`` runs the vision tower and the decoder), else ``causal_lm``."""
+    from transformers import AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    kind = type(config)
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING and kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return AutoModelForImageTextToText
+    return causal_lm
+
+
 def load_verifier(name: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                   trust_remote_code: bool = False, with_tokenizer: bool = True):
     """Load the frozen verifier in eval mode with gradients off; returns ``(model, tokenizer)``.
@@ -95,7 +107,7 @@ def load_verifier(name: str | Path, dtype: str | torch.dtype = "float32", device
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
         check_not_quantized(name, config)
-        model = AutoModelForCausalLM.from_pretrained(
+        model = model_class(config, AutoModelForCausalLM).from_pretrained(
             source, dtype=parse_dtype(dtype), trust_remote_code=trust_remote_code
         )
     except OSError as e:

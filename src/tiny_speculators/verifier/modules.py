@@ -44,6 +44,7 @@ class VerifierParts:
     layers_name: str = ""
     norm_name: str = ""
     lm_head_name: str = ""
+    multimodal: nn.Module | None = None  # a vision-language model's own model (vision tower + decoder), if any
 
 
 def _named(model: nn.Module, module: nn.Module) -> str:
@@ -138,8 +139,11 @@ def find_parts(model: nn.Module) -> VerifierParts:
             raise UserError(f"cannot identify the final norm of {type(model).__name__}: norm modules of size "
                             f"{hidden_size} outside the layers: {[n for n, _ in outside] or 'none'}")
         norm_name, norm = outside[0]
+    # a vision-language wrapper (Qwen-VL: model.model holds .visual and .language_model): what runs images
+    outer = model.get_submodule(decoder_name.rpartition(".")[0]) if "." in decoder_name else None
     return VerifierParts(
         layers=layers, norm=norm, lm_head=lm_head, embed_tokens=embed, num_hidden_layers=len(layers),
         hidden_size=hidden_size, decoder=decoder, decoder_name=decoder_name, layers_name=prefix + layers_attr,
         norm_name=norm_name, lm_head_name=_named(model, lm_head),
+        multimodal=outer if callable(getattr(outer, "get_image_features", None)) else None,
     )

@@ -4,7 +4,7 @@ The chat template writes one image token per image (Qwen-VL: ``<|vision_start|><
 the verifier's processor then repeats that token once per merged patch group of the image, a count that depends on
 the image's size. ``prepare`` stores the expanded token ids, so that the stored ids are exactly what the verifier
 sees (that vLLM expands the same way is not proven yet), plus each image's reference and grid, from which later
-stages can rebuild the pixel inputs (extraction and evaluation with images are not built yet). Pixels are never
+stages rebuild the pixel inputs (:meth:`Vision.inputs`; the HF extraction feeds them to the verifier). Pixels are never
 copied into the prepared data: a file image is referenced by its absolute path, an inline ``data:`` URL is written
 once, content-addressed, under the prepared folder's ``images/``.
 
@@ -163,6 +163,28 @@ class Vision:
         if not isinstance(token_id, int) or token_id == processor.tokenizer.unk_token_id:
             raise UserError(f"verifier {verifier}: its processor's image token {image_token!r} is not in its tokenizer")
         return cls(processor, image_token, token_id)
+
+    def inputs(self, ids: Any, refs: list[list[str]], grids: list[list[list[int]]], root: Path | None = None
+               ) -> dict[str, Any] | None:
+        """The image inputs of a batch for the verifier's model: ``pixel_values`` and ``image_grid_thw`` of the
+        images of each row (``refs``, prepared references; ``images/...`` resolves against ``root``), in order, and
+        ``mm_token_type_ids`` (1 on image tokens of ``ids`` (B, T), from which the model builds its M-RoPE
+        positions); None when the batch has no image. ``grids`` (prepared) must be what the images give now."""
+        import torch
+
+        pictures = [open_image(ref, root) for row in refs for ref in row]
+        if not pictures:
+            return None
+        out = self.processor.image_processor(images=pictures, return_tensors="pt")
+        grid, expected = out["image_grid_thw"], [g for row in grids for g in row]
+        if grid.tolist() != expected:
+            names = [ref for row in refs for ref in row]
+            i = next((i for i, (a, b) in enumerate(zip(grid.tolist(), expected, strict=False)) if a != b), 0)
+            raise ImageError(f"image {names[i]}: its grid is now {grid.tolist()[i]}, prepared as "
+                             f"{expected[i] if i < len(expected) else 'none'}: the image (or the processor) "
+                             "changed since prepare; prepare the data again")
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": grid,
+                "mm_token_type_ids": (ids == self.image_token_id).to(torch.int32)}
 
     def expand(self, text: str, ids: list[int], mask: list[int], images: list[Any]
                ) -> tuple[list[int], list[int], list[list[int]]]:

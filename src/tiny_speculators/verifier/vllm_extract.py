@@ -36,7 +36,7 @@ from safetensors.torch import load_file
 from tiny_speculators.errors import UserError
 from tiny_speculators.serving import build_vllm_env, clean_env, failure_reason, stop_process_group
 from tiny_speculators.verifier.guard import GUARD_POSITIONS, GUARD_TOKENS
-from tiny_speculators.verifier.load import resolve_verifier
+from tiny_speculators.verifier.load import model_class, resolve_verifier
 
 __all__ = ["PLUGINS", "TESTED_VLLM", "VllmHiddenStates", "check_vllm_version", "installed_vllm_version",
            "verifier_skeleton", "vllm_extract_python"]
@@ -248,5 +248,5 @@ def verifier_skeleton(verifier: str, trust_remote_code: bool = False):
     except (OSError, ValueError) as e:
         raise UserError(f"could not read the config of verifier {verifier!r}: {e}") from None
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        model = model_class(config, AutoModelForCausalLM).from_config(config, trust_remote_code=trust_remote_code)
     return model, source
