@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiny_speculators.errors import UserError
 from tiny_speculators.evaluate.target import TargetRunner
 from tiny_speculators.evaluate.tree import tree_step
 from tiny_speculators.models.family import ConfidenceProposer, Proposer, TreeParams
@@ -64,6 +65,9 @@ class _TimedProposer:
 
     def reset(self) -> None:
         self.inner.reset()
+
+    def set_positions(self, positions: torch.Tensor) -> None:
+        self.inner.set_positions(positions)
 
     def commit(self, tokens, aux, start) -> None:
         self._timed(self.inner.commit, tokens, aux, start)
@@ -125,8 +129,14 @@ def chain_step(target: TargetRunner, proposer: Proposer, pending: int, pos: int,
 def speculative_generate(target: TargetRunner, proposer: Proposer, prompt: list[int], *, k: int = 4,
                          max_new_tokens: int = 64, params: SamplingParams = GREEDY,
                          eos_ids: set[int] | frozenset[int] = frozenset(), tree: TreeParams | None = None,
-                         generator: torch.Generator | None = None) -> DecodeResult:
-    """Generate up to ``max_new_tokens`` after ``prompt`` with draft + verifier (chain, or tree if given)."""
+                         generator: torch.Generator | None = None,
+                         images: dict[str, torch.Tensor] | None = None) -> DecodeResult:
+    """Generate up to ``max_new_tokens`` after ``prompt`` with draft + verifier (chain, or tree if given);
+    ``images``: a vision-language verifier's image inputs of the prompt and its M-RoPE ``position_ids`` [3, T]
+    (chains only: the draft runs at their temporal row, as vLLM runs a text-only draft)."""
+    if images is not None and (tree is not None or not hasattr(proposer, "set_positions")):
+        raise UserError("a prompt with images is decoded with a chain draft that takes positions "
+                        "(EAGLE-3), not a tree")
     eos_ids = set(eos_ids)
     _sync(target.device)
     t0 = time.perf_counter()
@@ -135,7 +145,9 @@ def speculative_generate(target: TargetRunner, proposer: Proposer, prompt: list[
     proposer.reset()
     forwards0 = proposer.draft_forwards
     n_prompt = len(prompt)
-    logits, aux = target.forward(torch.tensor(prompt), torch.arange(n_prompt), last_logits_only=True)
+    logits, aux = target.forward(torch.tensor(prompt), torch.arange(n_prompt), last_logits_only=True, images=images)
+    if images is not None:
+        proposer.set_positions(images["position_ids"][0])
     pending = _choose(logits[-1], params, generator)
     result = DecodeResult(tokens=[pending], verifier_forwards=1)
     if not _done(result.tokens, max_new_tokens, eos_ids):
@@ -168,13 +180,14 @@ def speculative_generate(target: TargetRunner, proposer: Proposer, prompt: list[
 def autoregressive_generate(target: TargetRunner, prompt: list[int], *, max_new_tokens: int = 64,
                             params: SamplingParams = GREEDY,
                             eos_ids: set[int] | frozenset[int] = frozenset(),
-                            generator: torch.Generator | None = None) -> DecodeResult:
+                            generator: torch.Generator | None = None,
+                            images: dict[str, torch.Tensor] | None = None) -> DecodeResult:
     """The verifier alone, one token per forward, same KV cache and sampling code (the speed-up baseline)."""
     eos_ids = set(eos_ids)
     _sync(target.device)
     t0 = time.perf_counter()
     target.reset()
-    logits, _ = target.forward(torch.tensor(prompt), torch.arange(len(prompt)), last_logits_only=True)
+    logits, _ = target.forward(torch.tensor(prompt), torch.arange(len(prompt)), last_logits_only=True, images=images)
     tokens = [_choose(logits[-1], params, generator)]
     while not _done(tokens, max_new_tokens, eos_ids):
         logits, _ = target.forward(torch.tensor(tokens[-1:]), torch.tensor([len(prompt) + len(tokens) - 1]))

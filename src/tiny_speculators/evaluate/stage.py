@@ -28,7 +28,7 @@ from tiny_speculators.evaluate.decoding import (
     autoregressive_generate,
     speculative_generate,
 )
-from tiny_speculators.evaluate.prompts import load_prompts, render_prompt
+from tiny_speculators.evaluate.prompts import Prompt, load_prompts, render_image_prompt, render_prompt
 from tiny_speculators.evaluate.report import (
     acceptance_metrics,
     calibration,
@@ -122,7 +122,7 @@ def evaluate(
     d = _load_draft(draft, verifier, model, k, confidence_threshold, tree, device, torch_dtype)
     target = TargetRunner(model, list(d.aux_layer_ids))
     decoding = _Decoding(target, d.proposer, d.k, params, _eos_ids(model, tokenizer), tree_params, max_new_tokens)
-    encoded = [render_prompt(p, tokenizer) for p in prompt_list]
+    encoded = _encode(prompt_list, verifier, tokenizer, target, torch_dtype, trust_remote_code)
 
     decoding.warm_up(encoded[0], seed, baseline)
     positions = tree_depth if tree else d.k
@@ -148,6 +148,33 @@ def evaluate(
     _write_outputs(Path(out), summary, per_prompt, draft, verifier, d.threshold)
     print_table(summary)
     return summary
+
+
+# a prompt as decoded: its token ids and, for a vision-language verifier's prompt with images, its image inputs
+_Encoded = tuple[list[int], dict[str, torch.Tensor] | None]
+
+
+def _encode(prompts: list[Prompt], verifier: str, tokenizer, target: TargetRunner, dtype: torch.dtype,
+            trust_remote_code: bool) -> list[_Encoded]:
+    """Each prompt's token ids; a prompt with images also gets its image inputs and M-RoPE positions."""
+    if not any(p.images for p in prompts):
+        return [(render_prompt(p, tokenizer), None) for p in prompts]
+    from tiny_speculators.verifier.vision import Vision
+
+    vision = Vision.load(verifier, trust_remote_code)
+    if vision is None or target.parts.multimodal is None:
+        raise UserError(f"prompt {next(p.id for p in prompts if p.images)} holds images, but verifier {verifier} "
+                        "reads no images")
+    encoded: list[_Encoded] = []
+    for p in prompts:
+        if not p.images:
+            encoded.append((render_prompt(p, tokenizer), None))
+            continue
+        ids, images = render_image_prompt(p, vision)
+        images["pixel_values"] = images["pixel_values"].to(dtype)
+        images["position_ids"] = target.rope_positions(ids, images)
+        encoded.append((ids, images))
+    return encoded
 
 
 def _check_arguments(k: int | None, max_new_tokens: int, tree: bool, tree_depth: int, tree_topk: int,
@@ -214,24 +241,27 @@ class _Decoding:
     tree: TreeParams | None
     max_new_tokens: int
 
-    def speculative(self, ids: list[int], seed: int, max_new_tokens: int | None = None) -> DecodeResult:
+    def speculative(self, prompt: _Encoded, seed: int, max_new_tokens: int | None = None) -> DecodeResult:
+        ids, images = prompt
         return speculative_generate(self.target, self.proposer, ids, k=self.k,
                                     max_new_tokens=max_new_tokens or self.max_new_tokens, params=self.params,
-                                    eos_ids=self.eos, tree=self.tree, generator=torch.Generator().manual_seed(seed))
+                                    eos_ids=self.eos, tree=self.tree, generator=torch.Generator().manual_seed(seed),
+                                    images=images)
 
-    def alone(self, ids: list[int], seed: int, max_new_tokens: int | None = None) -> DecodeResult:
+    def alone(self, prompt: _Encoded, seed: int, max_new_tokens: int | None = None) -> DecodeResult:
+        ids, images = prompt
         return autoregressive_generate(self.target, ids, max_new_tokens=max_new_tokens or self.max_new_tokens,
                                        params=self.params, eos_ids=self.eos,
-                                       generator=torch.Generator().manual_seed(seed))
+                                       generator=torch.Generator().manual_seed(seed), images=images)
 
-    def warm_up(self, ids: list[int], seed: int, baseline: bool) -> None:
+    def warm_up(self, ids: _Encoded, seed: int, baseline: bool) -> None:
         """Lazy allocations, kernel selection: so that the first timed prompt is not penalised."""
         self.speculative(ids, seed, min(4, self.max_new_tokens))
         if baseline:
             self.alone(ids, seed, min(4, self.max_new_tokens))
 
 
-def _decode_prompts(decoding: _Decoding, prompt_list, encoded: list[list[int]], tokenizer, positions: int, seed: int,
+def _decode_prompts(decoding: _Decoding, prompt_list, encoded: list[_Encoded], tokenizer, positions: int, seed: int,
                     baseline: bool, dtype: str) -> tuple[list[dict[str, Any]], list[DecodeResult], list[DecodeResult]]:
     """Each prompt with the draft (and the verifier alone): per-prompt results.json entries and both decodings."""
     per_prompt: list[dict[str, Any]] = []
@@ -241,7 +271,7 @@ def _decode_prompts(decoding: _Decoding, prompt_list, encoded: list[list[int]], 
         res = decoding.speculative(ids, seed + i)
         spec_results.append(res)
         entry: dict[str, Any] = {
-            "id": prompt.id, "messages": prompt.messages, "prompt_tokens": len(ids),
+            "id": prompt.id, "messages": prompt.messages, "prompt_tokens": len(ids[0]),
             "tokens": res.tokens, "text": tokenizer.decode(res.tokens, skip_special_tokens=True),
             "seconds": res.seconds, "verifier_forwards": res.verifier_forwards,
             "draft_forwards": res.draft_forwards,

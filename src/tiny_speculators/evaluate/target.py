@@ -77,6 +77,7 @@ class TargetRunner:
 
     def reset(self) -> None:
         self.cache = self._dynamic_cache(config=self.model.config)
+        self.shift = 0  # RoPE position - cache slot after a prompt with images (M-RoPE's rope delta)
         # sliding-window layers (Gemma 3, gpt-oss, Mistral) keep what a rejection may roll back until the next crop
         activate = getattr(self.cache, "activate_past_recording", None)
         if activate is not None:
@@ -93,17 +94,27 @@ class TargetRunner:
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
                 tree_mask: torch.Tensor | None = None,
-                last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run ``tokens`` [T] at ``positions`` [T]; returns (logits float32 [T, V], aux [T, n_aux * H]).
+                last_logits_only: bool = False,
+                images: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``tokens`` [T] at cache slots ``positions`` [T]; returns (logits float32 [T, V], aux [T, n_aux * H]).
 
         ``tree_mask`` (bool [T, T], True = attend) restricts attention among the new tokens; every new
         token always attends to the whole cached prefix. ``None`` means causal. ``last_logits_only``
-        (prefill) returns logits [1, V] for the last token only, skipping the lm_head elsewhere.
+        (prefill) returns logits [1, V] for the last token only, skipping the lm_head elsewhere. ``images``
+        (a vision-language verifier's prompt, the prefill): its image inputs and ``position_ids`` [3, T] (its
+        M-RoPE positions); later slots then run at their slot + the prompt's shift, as the model's own
+        ``rope_deltas``.
         """
         device = self.device
         tokens = tokens.to(device)[None]  # (1, T)
-        positions = positions.to(device)[None]
         kwargs = {}
+        if images is not None:
+            rope = images["position_ids"]
+            self.shift = int(rope.max()) + 1 - tokens.shape[1]
+            positions = rope.to(device)[:, None]  # (3, 1, T)
+            kwargs.update({k: v.to(device) for k, v in images.items() if k != "position_ids"})
+        else:
+            positions = (positions + self.shift).to(device)[None]
         if tree_mask is not None:
             prefix = torch.ones(tree_mask.shape[0], self.length, dtype=torch.bool, device=device)
             allowed = torch.cat([prefix, tree_mask.to(device)], dim=1)  # (T, S)
@@ -117,6 +128,18 @@ class TargetRunner:
         aux = torch.cat([self._captured[i][0] for i in self.aux_layer_ids], dim=-1)  # (T, n_aux*H)
         logits = out.logits[0].float()
         return (logits[-1:] if last_logits_only else logits), aux
+
+    @torch.no_grad()
+    def rope_positions(self, ids: list[int], images: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``[3, T]`` a vision-language verifier's M-RoPE positions of a prompt with images (its own
+        ``get_rope_index``)."""
+        multimodal = self.parts.multimodal
+        if multimodal is None:
+            raise UserError(f"{type(self.model).__name__} reads no images")
+        rope, _ = multimodal.get_rope_index(torch.tensor([ids], device=self.device),
+                                            images["mm_token_type_ids"].to(self.device),
+                                            image_grid_thw=images["image_grid_thw"].to(self.device))
+        return rope[:, 0].cpu()
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` cached positions (sliding-window layers: the last window of them)."""

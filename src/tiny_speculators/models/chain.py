@@ -37,6 +37,7 @@ class ChainProposer:
         self.vocab_size = draft.embed_tokens.num_embeddings
         self.logits: torch.Tensor | None = None  # (Vd,) predicts the token after the pending one
         self.hidden: torch.Tensor | None = None  # (H,)
+        self.prompt_positions: torch.Tensor | None = None  # (T,) RoPE positions of the prompt's slots, if not 0..T-1
 
     @property
     def device(self) -> torch.device:
@@ -45,6 +46,22 @@ class ChainProposer:
     def reset(self) -> None:
         self.cache.reset()
         self.logits = self.hidden = None
+        self.prompt_positions = None
+
+    def set_positions(self, positions: torch.Tensor) -> None:
+        """The RoPE positions of the prompt's slots (after :meth:`reset`): a vision-language verifier's prompt
+        holds images, whose tokens take fewer positions than slots (vLLM gives a text-only draft the temporal
+        row of the verifier's M-RoPE positions); the slots after the prompt continue from its last position."""
+        self.prompt_positions = positions.long().cpu()
+
+    def positions(self, start: int, n: int) -> torch.Tensor:
+        """The RoPE positions of draft slots ``start..start+n-1``."""
+        slots = torch.arange(start, start + n)
+        table = self.prompt_positions
+        if table is None:
+            return slots
+        shift = int(table[-1]) - (len(table) - 1)
+        return torch.where(slots < len(table), table[slots.clamp(max=len(table) - 1)], slots + shift)
 
     @torch.no_grad()
     def commit(self, tokens: list[int], aux: torch.Tensor, start: int) -> None:
@@ -53,7 +70,7 @@ class ChainProposer:
         self.cache.crop(min(start, self.cache.length))
         dev = self.device
         ids = torch.tensor(tokens, device=dev)[None]  # (1, T)
-        pos = torch.arange(start, start + len(tokens), device=dev)[None]
+        pos = self.positions(start, len(tokens)).to(dev)[None]
         out = self.draft(ids, self.draft.fuse(aux.to(dev)[None]), pos, cache=self.cache, logits=False)
         self.draft_forwards += 1
         self.hidden = out.hidden_states[0, -1]  # (H,)
@@ -91,6 +108,6 @@ class ChainProposer:
                 qs.append(q)
             tokens.append(tok)
             if i + 1 < k:
-                lg, hd = self.step(torch.tensor([tok]), hidden[None], torch.tensor([start + i]))
+                lg, hd = self.step(torch.tensor([tok]), hidden[None], self.positions(start + i, 1))
                 logits, hidden = lg[0], hd[0]
         return tokens, (torch.stack(qs) if qs else None)

@@ -152,6 +152,8 @@ class Proposer(Protocol):
         ...
 
     # Families with ``supports_tree`` also have ``build_tree(root: int, params: TreeParams) -> DraftTree``.
+    # Proposers that run beside a vision-language verifier also have ``set_positions(positions: Tensor [T])``:
+    # the RoPE positions of the prompt's T slots (M-RoPE's temporal row; later slots continue from the last).
     # ``propose_chain`` may return fewer than ``k`` tokens (a proposer that cuts its chain short); the evaluator
     # verifies what it returns.
 

@@ -33,7 +33,8 @@ from tiny_speculators.errors import UserError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["IMAGE_DIR", "ImageError", "Vision", "image_only", "load_processor", "open_image", "store_reference"]
+__all__ = ["IMAGE_DIR", "ImageError", "Vision", "image_only", "load_image", "load_processor", "open_image",
+           "store_reference"]
 
 IMAGE_DIR = "images"  # inline images of a prepared folder, content-addressed
 _MIME_EXT = {"image/png": "png", "image/jpeg": "jpg", "image/jpg": "jpg", "image/webp": "webp", "image/gif": "gif",
@@ -70,16 +71,41 @@ def store_reference(ref: Any, base: Path | None, images_dir: Path) -> str:
         if not target.is_file():
             write_bytes_atomic(target, data, fsync=False)
         return f"{IMAGE_DIR}/{name}"
+    return str(_image_path(ref, base))
+
+
+def _image_path(ref: str, base: Path | None) -> Path:
+    """The file an image path or ``file://`` URL names (a relative path resolves against ``base``)."""
     scheme = urlparse(ref).scheme.lower()
     if scheme in ("http", "https"):
-        raise ImageError(f"image {ref}: remote URLs are not downloaded by prepare; save the file and refer to it")
+        raise ImageError(f"image {ref}: remote URLs are not downloaded; save the file and refer to it")
     path = Path(unquote(urlparse(ref).path)) if scheme == "file" else Path(ref).expanduser()
     if not path.is_absolute() and base is not None:
         path = base / path
     path = path.resolve()
     if not path.is_file():
         raise ImageError(f"image {ref}: no such file ({path})")
-    return str(path)
+    return path
+
+
+def load_image(ref: Any, base: Path | None = None):
+    """The RGB PIL image of a reference as chat data gives it (a path relative to ``base``, a ``file://`` or
+    ``data:`` URL), read in memory: what evaluation prompts with images use."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(ref, str) and ref.startswith("data:"):
+        _, data = _data_url(ref)
+        try:
+            with Image.open(io.BytesIO(data)) as image:
+                image.load()
+                return image.convert("RGB")
+        except (UnidentifiedImageError, OSError, ValueError) as e:
+            raise ImageError(f"inline image {ref[:40]}...: not a readable image ({e})") from None
+    if not isinstance(ref, str) or not ref.strip():
+        raise ImageError(f"image reference {ref!r} is not a path or URL")
+    return open_image(str(_image_path(ref, base)))
 
 
 def open_image(ref: str, root: Path | None = None):
@@ -164,6 +190,12 @@ class Vision:
             raise UserError(f"verifier {verifier}: its processor's image token {image_token!r} is not in its tokenizer")
         return cls(processor, image_token, token_id)
 
+    def pixels(self, pictures: list[Any]) -> dict[str, Any]:
+        """``pixel_values`` and ``image_grid_thw`` of ``pictures`` (PIL images, in order), as the model takes
+        them."""
+        out = self.processor.image_processor(images=pictures, return_tensors="pt")
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
     def inputs(self, ids: Any, refs: list[list[str]], grids: list[list[list[int]]], root: Path | None = None
                ) -> dict[str, Any] | None:
         """The image inputs of a batch for the verifier's model: ``pixel_values`` and ``image_grid_thw`` of the
@@ -175,7 +207,7 @@ class Vision:
         pictures = [open_image(ref, root) for row in refs for ref in row]
         if not pictures:
             return None
-        out = self.processor.image_processor(images=pictures, return_tensors="pt")
+        out = self.pixels(pictures)
         grid, expected = out["image_grid_thw"], [g for row in grids for g in row]
         if grid.tolist() != expected:
             names = [ref for row in refs for ref in row]
