@@ -34,7 +34,7 @@ from tiny_speculators.train.producer_source import ProducerPool, ProducerSource,
 from tiny_speculators.train.schedule import OptimizerGroup, build_optimizer
 from tiny_speculators.train.sources import OfflineSource, OnlineSource
 from tiny_speculators.train.state_io import StateIO, state_io
-from tiny_speculators.verifier.capture import check_layer_ids
+from tiny_speculators.verifier.capture import check_layer_ids, first_aux_layer, past_deepstack
 from tiny_speculators.verifier.describe import text_config, verifier_record
 from tiny_speculators.verifier.head import head_from_model, load_verifier_head
 from tiny_speculators.verifier.load import load_verifier
@@ -128,14 +128,16 @@ class Run:
                           elapsed=float(meta.get("elapsed", 0.0)))
 
 
-def _online_aux(opts: TrainOptions, family: DraftFamily, n_layers: int) -> list[int]:
-    """The aux layer ids of an online run: the family's fixed ones, or --aux-layer-ids, or the family's default."""
+def _online_aux(opts: TrainOptions, family: DraftFamily, n_layers: int, first: int = 2) -> list[int]:
+    """The aux layer ids of an online run: the family's fixed ones, or --aux-layer-ids, or the family's default
+    (its lowest layer moved up to ``first`` for a verifier with DeepStack layers, as extract does)."""
     if family.fixed_aux_layer_ids:
         aux = family.default_aux_layer_ids(n_layers)
         if opts.aux_layer_ids and list(opts.aux_layer_ids) != aux:
             raise UserError(f"--aux-layer-ids: a {family.name} draft always reads verifier layer(s) {aux}")
         return check_layer_ids(aux, n_layers, allow_last=True)
-    return check_layer_ids(opts.aux_layer_ids or family.default_aux_layer_ids(n_layers), n_layers)
+    return check_layer_ids(opts.aux_layer_ids or past_deepstack(family.default_aux_layer_ids(n_layers), first),
+                           n_layers)
 
 
 def _producer_source(opts: TrainOptions, family: DraftFamily, info: D.DistInfo, engines: contextlib.ExitStack):
@@ -166,8 +168,9 @@ def _source_and_head(opts: TrainOptions, family: DraftFamily, info: D.DistInfo, 
         vdtype = "bfloat16" if opts.precision == "bf16" and info.device.type == "cuda" else "float32"
         verifier, _ = load_verifier(opts.verifier, dtype=vdtype, device=info.device,
                                     trust_remote_code=opts.trust_remote_code, with_tokenizer=False)
-        aux = _online_aux(opts, family, find_parts(verifier).num_hidden_layers)
-        return OnlineSource(opts.data, verifier, aux, opts.max_length), head_from_model(verifier), aux
+        aux = _online_aux(opts, family, find_parts(verifier).num_hidden_layers, first_aux_layer(verifier.config))
+        source = OnlineSource(opts.data, verifier, aux, opts.max_length, opts.verifier, opts.trust_remote_code)
+        return source, head_from_model(verifier), aux
 
     head = load_verifier_head(opts.verifier, trust_remote_code=opts.trust_remote_code)
     if family.fixed_aux_layer_ids:  # e.g. [N]: the last state, which the full layouts store beside the aux layers

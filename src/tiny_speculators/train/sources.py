@@ -22,6 +22,8 @@ from tiny_speculators.errors import UserError
 from tiny_speculators.storage.reader import HiddenStateReader
 from tiny_speculators.train.data import collate, prompt_keys
 from tiny_speculators.verifier.capture import capture_hidden_states
+from tiny_speculators.verifier.modules import find_parts
+from tiny_speculators.verifier.vision import PreparedImages, Vision
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +87,22 @@ class OfflineSource:
 
 class PreparedTokens:
     """The token side of the online sources: a prepared dataset's ``input_ids`` and ``loss_mask``, each sample cut
-    to ``max_length``; the source that extends it adds the hidden states (the verifier here, or vLLM producers)."""
+    to ``max_length``; the source that extends it adds the hidden states (the verifier here, or vLLM producers).
+    Only sources that feed images (``reads_images``) take data prepared with images."""
+
+    reads_images = False
 
     def __init__(self, prepared: Path, max_length: int | None) -> None:
         self.dataset = _load_prepared_dataset(prepared)
         if len(self.dataset) == 0:
             raise UserError(f"prepared dataset {prepared} holds no samples")
+        self.has_images = "images" in self.dataset.column_names and any(self.dataset["images"])
+        if self.has_images and not self.reads_images:
+            raise UserError(f"prepared dataset {prepared} holds images: train it offline (extract, then train "
+                            "--hidden-states) or online in this process (--producer hf)")
+        if self.has_images and max_length is not None:
+            raise UserError(f"prepared dataset {prepared} holds images: --max-length would cut through them; "
+                            "prepare with --max-length instead (it never cuts an image)")
         self.max_length = max_length
         self._lengths = [min(len(x), max_length or len(x)) for x in self.dataset["input_ids"]]
 
@@ -112,28 +124,49 @@ class PreparedTokens:
 
 
 class OnlineSource(PreparedTokens):
-    """Token ids from a prepared dataset; the verifier (in this process) computes aux/last per micro-batch."""
+    """Token ids from a prepared dataset; the verifier (in this process) computes aux/last per micro-batch (with
+    the samples' images and the draft's positions for a vision-language verifier, as extract stores them)."""
 
-    def __init__(self, prepared: Path, verifier: nn.Module, aux_layer_ids: list[int], max_length: int | None) -> None:
+    reads_images = True
+
+    def __init__(self, prepared: Path, verifier: nn.Module, aux_layer_ids: list[int], max_length: int | None,
+                 verifier_name: str | None = None, trust_remote_code: bool = False) -> None:
         super().__init__(prepared, max_length)
         self.verifier = verifier
+        self.parts = find_parts(verifier)
         self.aux_layer_ids = list(aux_layer_ids)
+        self.images = None
+        if self.has_images:
+            vision = Vision.load(verifier_name, trust_remote_code) if verifier_name else None
+            if vision is None or self.parts.multimodal is None:
+                raise UserError(f"prepared dataset {prepared} holds images, but verifier {verifier_name} reads none")
+            self.images = PreparedImages(vision, Path(prepared))
+
+    @torch.inference_mode()
+    def _states(self, indices: list[int], padded: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        """aux, last (and the draft's positions, with images) of the padded batch of samples ``indices``."""
+        ids, mask = padded["input_ids"], padded["attention_mask"]
+        if self.images is None:
+            return capture_hidden_states(self.verifier, ids, mask, self.aux_layer_ids, parts=self.parts)
+        rows = self.dataset[list(indices)]
+        inputs = self.images.of(rows, list(range(len(indices))), ids, self.parts.embed_tokens.weight.dtype,
+                                ids.device)
+        aux, last = capture_hidden_states(self.verifier, ids, mask, self.aux_layer_ids, parts=self.parts,
+                                          images=inputs)
+        return aux, last, self.images.positions(self.parts, ids, mask, inputs)
 
     def batch(self, indices: list[int], device: torch.device, pack: bool) -> dict[str, Any]:
         samples = self.token_samples(indices)
         batch = to_device(collate(samples, pack=pack), device)
-        if pack:  # the verifier sees each document separately: run it on the padded form, then pack the states
-            padded = to_device(collate(samples, pack=False), device)
-            aux, last = capture_hidden_states(self.verifier, padded["input_ids"], padded["attention_mask"],
-                                              self.aux_layer_ids)
-            keep = padded["attention_mask"].bool()
-            batch["aux_hidden_states"] = aux[keep][None].clone()
-            batch["last_hidden_state"] = last[keep][None].clone()
-        else:
-            aux, last = capture_hidden_states(self.verifier, batch["input_ids"], batch["attention_mask"],
-                                              self.aux_layer_ids)
-            # clone outside inference mode: inference tensors cannot be saved for backward
-            batch["aux_hidden_states"], batch["last_hidden_state"] = aux.clone(), last.clone()
+        # the verifier sees each document separately: packed, it runs on the padded form, then the states are packed
+        padded = to_device(collate(samples, pack=False), device) if pack else batch
+        states = self._states(indices, padded)
+        keep = padded["attention_mask"].bool()
+        # clone outside inference mode: inference tensors cannot be saved for backward
+        for key, value in zip(("aux_hidden_states", "last_hidden_state", "position_ids"), states, strict=False):
+            if key == "position_ids":
+                value = torch.where(keep, value, padded["position_ids"])  # padding continues as collate's
+            batch[key] = value[keep][None].clone() if pack else value.clone()
         return batch
 
 

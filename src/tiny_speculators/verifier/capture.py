@@ -25,7 +25,7 @@ from torch import nn
 from tiny_speculators.errors import UserError
 from tiny_speculators.verifier.modules import VerifierParts, find_parts
 
-__all__ = ["capture_hidden_states", "check_layer_ids", "default_aux_layer_ids", "first_aux_layer"]
+__all__ = ["capture_hidden_states", "check_layer_ids", "default_aux_layer_ids", "first_aux_layer", "past_deepstack"]
 
 
 def default_aux_layer_ids(num_layers: int, first: int = 2) -> list[int]:
@@ -46,6 +46,16 @@ def first_aux_layer(config: Any) -> int:
     indexes = (vision.get("deepstack_visual_indexes") if isinstance(vision, dict)
                else getattr(vision, "deepstack_visual_indexes", None)) if vision is not None else None
     return max(2, len(indexes)) if indexes else 2
+
+
+def past_deepstack(layer_ids: Sequence[int], first: int) -> list[int]:
+    """A family's default ``layer_ids`` for a verifier whose lowest default aux layer is ``first``
+    (:func:`first_aux_layer`): the lowest id, if below ``first``, becomes ``first`` (unless it is taken)."""
+    ids = [int(i) for i in layer_ids]
+    low = min(ids)
+    if low < first and first not in ids:
+        ids[ids.index(low)] = first
+    return ids
 
 
 def check_layer_ids(layer_ids: Sequence[int], num_layers: int, allow_last: bool = False) -> list[int]:

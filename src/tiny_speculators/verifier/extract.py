@@ -25,7 +25,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,7 +50,7 @@ from tiny_speculators.verifier.head import TargetHead, load_verifier_head
 from tiny_speculators.verifier.load import load_tokenizer, load_verifier, parse_dtype, verifier_id
 from tiny_speculators.verifier.modules import VerifierParts, find_parts
 from tiny_speculators.verifier.reuse import ReuseIndex
-from tiny_speculators.verifier.vision import ImageError, Vision
+from tiny_speculators.verifier.vision import PreparedImages, Vision
 from tiny_speculators.verifier.vllm_extract import LOG_NAME, VllmHiddenStates, verifier_skeleton, vllm_extract_python
 
 __all__ = ["Source", "extract", "load_prepared_dir", "make_sample", "plan_shards", "token_batches"]
@@ -160,42 +159,9 @@ def make_sample(records: dict[str, list], i: int, aux: torch.Tensor, last: torch
     return out
 
 
-@dataclass
-class _Images:
-    """A vision-language verifier's processor and where the prepared data's ``images/`` lie."""
-
-    vision: Vision
-    root: Path
-
-    def of(self, records: dict[str, list], rows: list[int], ids: torch.Tensor, dtype: torch.dtype,
-           device: str) -> dict[str, torch.Tensor] | None:
-        """The image inputs of ``records``' samples ``rows`` (ids (B, T) padded), on ``device``."""
-        try:
-            inputs = self.vision.inputs(ids, [records["images"][i] for i in rows],
-                                        [records["image_grid_thw"][i] for i in rows], self.root)
-        except ImageError as e:
-            raise UserError(f"{self.root}: sample {records['source'][rows[0]]}: {e}") from None
-        if inputs is None:
-            return None
-        inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
-        return {k: v.to(device) for k, v in inputs.items()}
-
-    @staticmethod
-    def positions(parts: VerifierParts, ids: torch.Tensor, mask: torch.Tensor,
-                  inputs: dict[str, torch.Tensor] | None) -> torch.Tensor:
-        """``(B, T)`` the RoPE positions a text-only draft runs at beside this verifier: the first (temporal) row
-        of the model's own M-RoPE positions (``get_rope_index``), which vLLM gives a draft without M-RoPE; text
-        after an image continues from the image's largest grid index, not from its token count."""
-        if inputs is None:
-            return torch.arange(ids.shape[1])[None].expand_as(ids)
-        rope, _ = parts.multimodal.get_rope_index(ids, inputs["mm_token_type_ids"],
-                                                  image_grid_thw=inputs["image_grid_thw"], attention_mask=mask)
-        return rope[0].cpu()
-
-
 @torch.inference_mode()
 def _run_shard(model, parts: VerifierParts, records: dict[str, list], aux_ids: list[int], layout: Layout,
-               device: str, max_tokens: int, store_dtype: torch.dtype, images: _Images | None = None
+               device: str, max_tokens: int, store_dtype: torch.dtype, images: PreparedImages | None = None
                ) -> list[dict[str, torch.Tensor]]:
     """Forward the shard's samples in token-budget batches (with their images, if any); per sample (in order) its
     stored tensors."""
@@ -213,12 +179,12 @@ def _run_shard(model, parts: VerifierParts, records: dict[str, list], aux_ids: l
         pixels = images.of(records, batch, ids, dtype, device) if images is not None else None
         aux, last = capture_hidden_states(model, ids.to(device), mask.to(device), aux_ids, parts=parts,
                                           images=pixels)
-        positions = _Images.positions(parts, ids.to(device), mask.to(device), pixels) if images else None
+        positions = images.positions(parts, ids.to(device), mask.to(device), pixels) if images else None
         for row, i in enumerate(batch):
             n = lengths[i]
             results[i] = make_sample(records, i, aux[row, :n], last[row, :n], layout, store_dtype, head, device)
             if positions is not None:
-                results[i]["positions"] = positions[row, :n].clone()
+                results[i]["positions"] = positions[row, :n].cpu()
     first = torch.tensor([records["input_ids"][0]])
     pixels = images.of(records, [0], first, dtype, device) if images is not None else None
     results[0].update(_verifier_choices(model, first, device, pixels))  # type: ignore[union-attr]
@@ -238,7 +204,7 @@ def _verifier_choices(model, ids: torch.Tensor, device: str, images: dict[str, t
 
 
 def _hf_source(model, parts: VerifierParts, aux_ids: list[int], layout: Layout, device: str, max_tokens: int,
-               store_dtype: torch.dtype, images: _Images | None = None) -> Source:
+               store_dtype: torch.dtype, images: PreparedImages | None = None) -> Source:
     def run(shards: Iterable[dict[str, list]]) -> Iterator[list[dict[str, torch.Tensor]]]:
         for records in shards:
             yield _run_shard(model, parts, records, aux_ids, layout, device, max_tokens, store_dtype, images)
@@ -438,13 +404,13 @@ def extract(
     return summary
 
 
-def _images_of(data: Path, verifier: str, trust_remote_code: bool) -> _Images:
+def _images_of(data: Path, verifier: str, trust_remote_code: bool) -> PreparedImages:
     """The image inputs' maker for prepared data with images (the HF backend only, and no ``--reuse``: its index
     matches token ids, which do not tell two images of one size apart)."""
     vision = Vision.load(verifier, trust_remote_code)
     if vision is None:
         raise UserError(f"{data} holds images, but verifier {verifier} has no image processor")
-    return _Images(vision, data)
+    return PreparedImages(vision, data)
 
 
 def _load(verifier: str, backend: str, dtype: str, device: str, out: Path, vllm_venv: Path | None,

@@ -33,8 +33,8 @@ from tiny_speculators.errors import UserError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["IMAGE_DIR", "ImageError", "Vision", "image_only", "load_image", "load_processor", "open_image",
-           "store_reference"]
+__all__ = ["IMAGE_DIR", "ImageError", "PreparedImages", "Vision", "image_only", "load_image", "load_processor",
+           "open_image", "store_reference"]
 
 IMAGE_DIR = "images"  # inline images of a prepared folder, content-addressed
 _MIME_EXT = {"image/png": "png", "image/jpeg": "jpg", "image/jpg": "jpg", "image/webp": "webp", "image/gif": "gif",
@@ -253,3 +253,46 @@ class Vision:
                              f"{self.image_token!r} (or an image sits in an assistant turn): prepare reads Qwen-VL-"
                              "style processors")
         return new_ids, new_mask, grids
+
+
+@dataclass
+class PreparedImages:
+    """The images of prepared samples as a vision-language verifier's model takes them, batch by batch (extract,
+    and online training): ``root`` is the prepared folder, whose ``images/`` hold the inline images."""
+
+    vision: Vision
+    root: Path
+
+    def of(self, records: dict[str, list], rows: list[int], ids: Any, dtype: Any, device: Any
+           ) -> dict[str, Any] | None:
+        """The image inputs of ``records``' samples ``rows`` (``ids`` (B, T), their padded token ids), on
+        ``device``; None when none of them holds an image. A bad or changed image is a one-line error naming its
+        sample."""
+        import torch
+
+        parts = []
+        for row, i in enumerate(rows):
+            try:
+                parts.append(self.vision.inputs(ids[row:row + 1], [records["images"][i]],
+                                                [records["image_grid_thw"][i]], self.root))
+            except ImageError as e:
+                raise UserError(f"{self.root}: sample {records['source'][i]}: {e}") from None
+        if all(p is None for p in parts):
+            return None
+        return {"pixel_values": torch.cat([p["pixel_values"] for p in parts if p]).to(device, dtype),
+                "image_grid_thw": torch.cat([p["image_grid_thw"] for p in parts if p]).to(device),
+                "mm_token_type_ids": (ids == self.vision.image_token_id).to(device, torch.int32)}
+
+    @staticmethod
+    def positions(parts: Any, ids: Any, mask: Any, inputs: dict[str, Any] | None) -> Any:
+        """``(B, T)`` the RoPE positions a text-only draft runs at beside this verifier (``parts``: its
+        :class:`~tiny_speculators.verifier.modules.VerifierParts`): the first (temporal) row of the model's own
+        M-RoPE positions (``get_rope_index``), which vLLM gives a draft without M-RoPE; text after an image
+        continues from the image's largest grid index, not from its token count."""
+        import torch
+
+        if inputs is None:
+            return torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
+        rope, _ = parts.multimodal.get_rope_index(ids, inputs["mm_token_type_ids"],
+                                                  image_grid_thw=inputs["image_grid_thw"], attention_mask=mask)
+        return rope[0]
