@@ -174,3 +174,12 @@ def test_images_for_a_text_only_verifier_are_reported(tmp_path, smollm2_dir):
     with pytest.raises(UserError, match=rf"{data}:1: images for a text-only verifier: 1 image\(s\), but the "
                                         "verifier has no image processor"):
         prepare(str(smollm2_dir), [data], tmp_path / "strict", strict=True)
+
+
+def test_regenerate_refuses_image_chats_in_one_line(tmp_path):
+    """Its answers would come without the images: refused before anything runs (prepare reads them as they are)."""
+    from tiny_speculators.data.regenerate import read_conversations
+
+    data, _ = write_image_chats(tmp_path)
+    with pytest.raises(UserError, match=rf"^{data}:1: the chat holds images, and regenerate does not feed images"):
+        read_conversations([data])

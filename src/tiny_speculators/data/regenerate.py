@@ -59,6 +59,7 @@ from tiny_speculators.data.generate import (
     start_vllm,
     vllm_or_fallback,
 )
+from tiny_speculators.data.layouts import image_refs
 from tiny_speculators.data.readers import read_records, resolve_data
 from tiny_speculators.errors import UserError
 from tiny_speculators.verifier.load import verifier_id
@@ -125,6 +126,9 @@ def read_conversations(paths: Iterable[Path], strict: bool = False) -> tuple[lis
             dropped[record.error.reason] += 1
             log.warning("%s: %s", record.where, record.error)
             continue
+        if image_refs(record.messages or []):  # answers without the images would be silently wrong
+            raise UserError(f"{record.where}: the chat holds images, and regenerate does not feed images yet; "
+                            "prepare reads image chats as they are (their answers kept)")
         messages = [{"role": m["role"], "content": m["content"]} for m in record.messages or []]
         key = (_file_name(record.where), json.dumps(messages, sort_keys=True))
         convs.append(Conversation(source=record.where, index=index, messages=messages, occurrence=seen[key]))
