@@ -196,19 +196,21 @@ def _extract_layers(verifier: str, train: dict[str, Any], where: str) -> list[in
     the family always reads the same fixed states (the last one, which extract stores anyway)."""
     from tiny_speculators.models import get_family
     from tiny_speculators.train.stage import train as train_stage
-    from tiny_speculators.verifier.describe import verifier_config
+    from tiny_speculators.verifier.capture import first_aux_layer, past_deepstack
+    from tiny_speculators.verifier.describe import text_config, verifier_config
 
     if train.get("aux_layer_ids"):
         return [int(i) for i in train["aux_layer_ids"]]
     family = get_family(train.get("algorithm", inspect.signature(train_stage).parameters["algorithm"].default))
     if family.fixed_aux_layer_ids:
         return None
-    cfg = verifier_config(verifier, trust_remote_code=bool(train.get("trust_remote_code", False)))
+    whole = verifier_config(verifier, trust_remote_code=bool(train.get("trust_remote_code", False)), whole=True)
+    cfg = text_config(whole) if whole is not None else None
     if cfg is None:  # not readable now (an uncached hub id offline): extract's default; train names what it lacks
         log.warning("%s: extract stores its default layers; give extract.layers if the %s draft needs others",
                     where, family.name)
         return None
-    return family.default_aux_layer_ids(int(cfg.num_hidden_layers))
+    return past_deepstack(family.default_aux_layer_ids(int(cfg.num_hidden_layers)), first_aux_layer(whole))
 
 
 def plan_pipeline(raw: dict[str, Any], source: str = "pipeline config") -> PipelinePlan:

@@ -114,3 +114,14 @@ def test_what_extraction_cannot_do_with_images_is_one_line(image_data, tiny_vl_d
     assert "\n" not in message and "wide.png: its grid is now [1, 8, 8], prepared as [1, 4, 4]" in message
     # the sample that holds it (chats 1 and 3 both show wide.png; batches run longest first)
     assert re.search(r"sample \S+chats\.jsonl:[13]: image ", message) and "prepare the data again" in message
+
+
+def test_the_pipeline_extracts_the_layers_extract_would_choose(image_data, tiny_vl_dir, tmp_path):
+    """A pipeline names extract's layers from train's family default: past DeepStack for Qwen3-VL too."""
+    from tiny_speculators.pipeline import plan_pipeline
+
+    _, data, _ = image_data
+    raw = {"run_dir": str(tmp_path / "run"), "verifier": str(tiny_vl_dir), "prepare": {"data": [str(data)]},
+           "vocab": {}, "extract": {}, "train": {}, "export": {}, "evaluate": {}}
+    layers = plan_pipeline(raw).stages["extract"].kwargs["layers"]
+    assert layers == ([3, 4, 5] if "qwen3" in tiny_vl_dir.name else [2, 4, 5])

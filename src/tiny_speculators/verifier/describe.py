@@ -49,8 +49,10 @@ def text_config(config: Any) -> Any:
     return getattr(config, "text_config", None) or config
 
 
-def verifier_config(name: str, trust_remote_code: bool = False, required: bool = False) -> Any | None:
-    """The verifier's text config; None (with a warning) when it is neither local nor cached, unless ``required``."""
+def verifier_config(name: str, trust_remote_code: bool = False, required: bool = False,
+                    whole: bool = False) -> Any | None:
+    """The verifier's text config (``whole``: the config itself, a multimodal wrapper's included); None (with a
+    warning) when it is neither local nor cached, unless ``required``."""
     from transformers import AutoConfig
 
     source = resolve_verifier(name)
@@ -62,7 +64,7 @@ def verifier_config(name: str, trust_remote_code: bool = False, required: bool =
             raise UserError(f"cannot read the config of verifier {name!r}: {e}") from None
         log.warning("cannot read the config of verifier %r (%s): its sizes are not checked", name, e)
         return None
-    return text_config(config)
+    return config if whole else text_config(config)
 
 
 def verifier_record(name: str, config: Any) -> dict[str, Any]:
