@@ -254,11 +254,11 @@ class _Decoding:
                                        params=self.params, eos_ids=self.eos,
                                        generator=torch.Generator().manual_seed(seed), images=images)
 
-    def warm_up(self, ids: _Encoded, seed: int, baseline: bool) -> None:
+    def warm_up(self, prompt: _Encoded, seed: int, baseline: bool) -> None:
         """Lazy allocations, kernel selection: so that the first timed prompt is not penalised."""
-        self.speculative(ids, seed, min(4, self.max_new_tokens))
+        self.speculative(prompt, seed, min(4, self.max_new_tokens))
         if baseline:
-            self.alone(ids, seed, min(4, self.max_new_tokens))
+            self.alone(prompt, seed, min(4, self.max_new_tokens))
 
 
 def _decode_prompts(decoding: _Decoding, prompt_list, encoded: list[_Encoded], tokenizer, positions: int, seed: int,
@@ -267,11 +267,11 @@ def _decode_prompts(decoding: _Decoding, prompt_list, encoded: list[_Encoded], t
     per_prompt: list[dict[str, Any]] = []
     spec_results: list[DecodeResult] = []
     base_results: list[DecodeResult] = []
-    for i, (prompt, ids) in enumerate(zip(prompt_list, encoded, strict=True)):
-        res = decoding.speculative(ids, seed + i)
+    for i, (prompt, coded) in enumerate(zip(prompt_list, encoded, strict=True)):
+        res = decoding.speculative(coded, seed + i)
         spec_results.append(res)
         entry: dict[str, Any] = {
-            "id": prompt.id, "messages": prompt.messages, "prompt_tokens": len(ids[0]),
+            "id": prompt.id, "messages": prompt.messages, "prompt_tokens": len(coded[0]),
             "tokens": res.tokens, "text": tokenizer.decode(res.tokens, skip_special_tokens=True),
             "seconds": res.seconds, "verifier_forwards": res.verifier_forwards,
             "draft_forwards": res.draft_forwards,
@@ -279,7 +279,7 @@ def _decode_prompts(decoding: _Decoding, prompt_list, encoded: list[_Encoded], t
             **({"confidences": res.confidences} if res.confidences else {}),
         }
         if baseline:
-            base = decoding.alone(ids, seed + i)
+            base = decoding.alone(coded, seed + i)
             base_results.append(base)
             entry["baseline_seconds"] = base.seconds
             entry["baseline_tokens"] = len(base.tokens)
