@@ -225,9 +225,10 @@ def _monitor_sees_an_induced_drop(url: str, tmp_path: Path) -> None:
     """``monitor`` on the same server: a window of greedy traffic on prompts the test draft was trained on, then the
     same prompts sampled at temperature 2, the API's highest (the draft proposes the greedy tokens, which sampling
     that flat rarely picks: served τ drops; 0 of 93 accepted when this was written). Each window's counters are what
-    /metrics counted; the second window, judged against the first's τ less 5%, alerts. The test draft's greedy τ is only ~1.13 (10 of 77 drafts accepted), so
-    the drop must be near total: at temperature 1.5 CI runs saw 0 to 7 of ~88 sampled drafts accepted (τ 1.00 to
-    1.08), and both the 10% line (at most 1) and the 5% line (at most 6) failed once."""
+    /metrics counted; the second window, judged against the first's τ less 5%, alerts. The test draft's greedy τ
+    is only ~1.13 (10 of 77 drafts accepted), so the drop must be near total: at temperature 1.5 CI runs saw 0 to 7
+    of ~88 sampled drafts accepted (τ 1.00 to 1.08), and both the 10% line (at most 1) and the 5% line (at most 6)
+    failed once."""
     import threading
 
     from vllm_helpers import TRAIN_PROMPTS
