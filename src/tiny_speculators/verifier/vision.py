@@ -198,14 +198,11 @@ class Vision:
         out = self.processor.image_processor(images=pictures, return_tensors="pt")
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
-    def inputs(self, ids: Any, refs: list[list[str]], grids: list[list[list[int]]], root: Path | None = None
+    def inputs(self, refs: list[list[str]], grids: list[list[list[int]]], root: Path | None = None
                ) -> dict[str, Any] | None:
-        """The image inputs of a batch for the verifier's model: ``pixel_values`` and ``image_grid_thw`` of the
-        images of each row (``refs``, prepared references; ``images/...`` resolves against ``root``), in order, and
-        ``mm_token_type_ids`` (1 on image tokens of ``ids`` (B, T), from which the model builds its M-RoPE
-        positions); None when the batch has no image. ``grids`` (prepared) must be what the images give now."""
-        import torch
-
+        """``pixel_values`` and ``image_grid_thw`` of the images of each row (``refs``, prepared references;
+        ``images/...`` resolves against ``root``), in order; None when there is no image. ``grids`` (prepared)
+        must be what the images give now."""
         pictures = [open_image(ref, root) for row in refs for ref in row]
         if not pictures:
             return None
@@ -217,8 +214,7 @@ class Vision:
             raise ImageError(f"image {names[i]}: its grid is now {grid.tolist()[i]}, prepared as "
                              f"{expected[i] if i < len(expected) else 'none'}: the image (or the processor) "
                              "changed since prepare; prepare the data again")
-        return {"pixel_values": out["pixel_values"], "image_grid_thw": grid,
-                "mm_token_type_ids": (ids == self.image_token_id).to(torch.int32)}
+        return out
 
     def expand(self, text: str, ids: list[int], mask: list[int], images: list[Any]
                ) -> tuple[list[int], list[int], list[list[int]]]:
@@ -273,10 +269,9 @@ class PreparedImages:
         import torch
 
         parts = []
-        for row, i in enumerate(rows):
+        for i in rows:
             try:
-                parts.append(self.vision.inputs(ids[row:row + 1], [records["images"][i]],
-                                                [records["image_grid_thw"][i]], self.root))
+                parts.append(self.vision.inputs([records["images"][i]], [records["image_grid_thw"][i]], self.root))
             except ImageError as e:
                 raise UserError(f"{self.root}: sample {records['source'][i]}: {e}") from None
         if all(p is None for p in parts):
