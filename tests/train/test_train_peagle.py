@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from train_checks import ddp_equals_one, offline_equals_online, resume_equals_uninterrupted
 from train_runs import assert_same, load_weights, train_args
 
@@ -46,3 +47,26 @@ def test_peagle_init_from_its_export_and_family_mismatch(tiny_inputs, tmp_path):
         train(**train_args(tiny_inputs, tmp_path / "c", max_steps=1, batch_size=2, init_from=tmp_path / "exported"))
     with pytest.raises(UserError, match="options for peagle given, but the algorithm is 'eagle3'"):
         train(**train_args(tiny_inputs, tmp_path / "d", max_steps=1, peagle=SMALL))
+
+
+
+def test_peagle_trained_embeddings_are_trained_exported_and_read_back(tiny_inputs, tmp_path):
+    """``train_embeddings`` (speculators' P-EAGLE default): the embeddings move, the mask token's row among them
+    (frozen they stay the verifier's), the export carries them (vLLM then reads the draft's own instead of sharing
+    the verifier's) and importing the export gives them back."""
+    from safetensors.torch import load_file
+
+    from tiny_speculators.export.stage import export
+    from tiny_speculators.models.importing import import_draft
+
+    for name, trained in (("frozen", False), ("trained", True)):
+        train(**train_args(tiny_inputs, tmp_path / name, max_steps=2, batch_size=2, algorithm="peagle",
+                           peagle={**SMALL, "train_embeddings": trained}))
+    frozen, trained = (load_weights(tmp_path / name)["embed_tokens.weight"] for name in ("frozen", "trained"))
+    draft, config = import_draft(tmp_path / "trained")
+    mask = config["kwargs"]["mask_token_id"]
+    assert not torch.equal(frozen[mask], trained[mask]) and torch.equal(draft.embed_tokens.weight, trained)
+    export(tmp_path / "trained", out=tmp_path / "exported")
+    assert json.loads((tmp_path / "exported" / "config.json").read_text())["embed_requires_grad"] is True
+    assert torch.equal(load_file(str(tmp_path / "exported" / "model.safetensors"))["embed_tokens.weight"], trained)
+    assert torch.equal(import_draft(tmp_path / "exported")[0].embed_tokens.weight, trained)

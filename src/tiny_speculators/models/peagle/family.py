@@ -45,6 +45,8 @@ class PEagleOptions:
         init: random, or verifier: the decoder layers start as the verifier's layers ``init_layer``,
             ``init_layer + 1``, ... (an early exit of the verifier at the depth-0 slots; ``models/verifier_init.py``).
         init_layer: the first verifier layer ``init: verifier`` copies (default: the last aux layer).
+        train_embeddings: train the token embeddings (the mask token's among them) instead of keeping the
+            verifier's frozen; the export then carries them (speculators' P-EAGLE trains them by default).
     """
 
     depths: int = 4
@@ -58,6 +60,7 @@ class PEagleOptions:
     norm_before_fc: bool = False
     init: Literal["random", "verifier"] = "random"
     init_layer: int | None = None
+    train_embeddings: bool = False
 
     def __post_init__(self) -> None:
         check_ranges(("depths", self.depths, AT_LEAST_1), ("num_layers", self.num_layers, AT_LEAST_1))
@@ -69,7 +72,8 @@ class PEagleOptions:
 def build(inputs: BuildInputs, options: PEagleOptions) -> PEagleDraft:
     cfg = inputs.verifier_config
     shape = DraftShape.from_verifier(cfg, int(inputs.d2t.shape[0]), num_aux=len(inputs.aux_layer_ids),
-                                     aux_layer_ids=list(inputs.aux_layer_ids))
+                                     aux_layer_ids=list(inputs.aux_layer_ids),
+                                     train_embeddings=options.train_embeddings)
     draft = PEagleDraft(**shape.fields(), layer_type=resolve_layer_type(options.layer_type, cfg),
                         norm_before_residual=options.norm_before_residual, norm_before_fc=options.norm_before_fc,
                         num_layers=options.num_layers,
@@ -99,6 +103,6 @@ FAMILY = DraftFamily(
     proposer=PEagleProposer,
     formats=(speculators.FORMAT,),
     speculative_tokens=lambda options: options.depths,
-    shape_options=("num_layers", "norm_before_residual", "norm_before_fc"),
+    shape_options=("num_layers", "norm_before_residual", "norm_before_fc", "train_embeddings"),
     fresh_options=("init", "init_layer"),
 )
