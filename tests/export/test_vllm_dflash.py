@@ -28,8 +28,8 @@ def exported(tmp_path_factory, smollm2_dir) -> Path:
 
     assert default_aux_layer_ids(30) == AUX
     root = tmp_path_factory.mktemp("vllm-dflash")
-    ckpt = train_draft(smollm2_dir, root / "ckpt", algorithm="dflash", options=OPTIONS, steps=60, aux_layer_ids=AUX,
-                       draft_vocab=False)
+    ckpt = train_draft(smollm2_dir, root / "ckpt", algorithm="dflash", options=OPTIONS, steps=30, lr=4e-3,
+                       aux_layer_ids=AUX, draft_vocab=False)
     export(ckpt, out=root / "export", verifier_name=str(smollm2_dir), speculative_tokens=K)
     return root / "export"
 
@@ -71,6 +71,7 @@ def test_vllm_dflash_counters_equal_our_evaluator(vllm_runs, ours, tmp_path_fact
     assert "dflash" in spec["speculative_config"] and spec["architectures"]["draft"] == ["DFlashDraftModel"]
     assert spec["tokens"] == plain["tokens"] and all(report["our_spec_equals_hf"])
     assert ours["draft_forwards"] == ours["drafts"]  # one draft forward per verification step
-    # measured: 7 of 825 draft tokens accepted (a 60-step DFlash draft is weak; see dev/LOG.md), all at position 0
+    # measured: 7 of 825 draft tokens accepted, all at position 0, after 30 steps at lr 4e-3 as after 60 at 2e-3
+    # (which cost twice the time: its full-vocabulary loss makes a step ~1.3 s); a DFlash draft this short is weak
     assert ours["accepted"] >= 5, "the test draft did not train: the comparison would mean nothing"
     assert (drafts, accepted, list(per_pos)) == (ours["drafts"], ours["accepted"], ours["per_position"]), report
