@@ -103,6 +103,6 @@ FAMILY = DraftFamily(
     proposer=PEagleProposer,
     formats=(speculators.FORMAT,),
     speculative_tokens=lambda options: options.depths,
-    shape_options=("num_layers", "norm_before_residual", "norm_before_fc", "train_embeddings"),
+    shape_options=("num_layers", "norm_before_residual", "norm_before_fc"),
     fresh_options=("init", "init_layer"),
 )
