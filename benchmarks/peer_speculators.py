@@ -1,4 +1,4 @@
-"""speculators' EAGLE-3 recipe on OUR data and budget, measured by OUR evaluator (issue #14's peer comparison).
+"""speculators' EAGLE-3 or P-EAGLE recipe on OUR data and budget, measured by OUR evaluator (issues #14, #36).
 
 vllm-project/speculators (PyPI ``speculators==0.9.0``) trains its EAGLE-3 draft with its own trainer and its own
 defaults on exactly the tokens, loss masks and fp32 hidden states our run trained on, for the same number of
@@ -39,6 +39,12 @@ supervised (ours: when t+1 is), across packed documents.
     python benchmarks/peer_speculators.py --run runs/smollm2-135m \
         --hidden-states runs/smollm2-135m/extract-full --steps 405 --batch-tokens 2048 \
         --work runs/peers/speculators
+    # P-EAGLE (issue #36): speculators' P-EAGLE trainer, at our draft's shape (2 layers, 4 depths); its recipe
+    # otherwise (trained embeddings, COD 0.7/0.2, up to 512 anchors, Muon, KL to the full distribution). Our
+    # evaluator's P-EAGLE counters equal vLLM's (tests/export/test_vllm_peagle.py), so it is the judge here too.
+    python benchmarks/peer_speculators.py --family peagle --num-layers 2 --depths 4 --run runs/smollm2-135m-peagle \
+        --hidden-states runs/smollm2-135m-peagle/extract-full --steps 108 --batch-tokens 2048 \
+        --work runs/peers/speculators-peagle
     # tiny smoke run
     python benchmarks/peer_speculators.py --run runs/smollm2-135m --hidden-states runs/smollm2-135m/extract-full \
         --steps 4 --max-prompts 1 --max-new-tokens 16 --work runs/peers/speculators-smoke
@@ -144,10 +150,6 @@ def convert(run: Path, hidden_states: Path, out: Path, seed: int, eval_fraction:
 
 def train(python: Path, data: Path, info: dict, a) -> dict:
     out = a.work / "train"
-    if (out / "driver_summary.json").is_file() and (out / "draft" / "config.json").is_file():
-        return json.loads((out / "driver_summary.json").read_text())  # trained already: evaluate again
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
     n, n_train = info["samples"], info["train_samples"]
     options = {
         "out": str(out), "verifier": str(a.verifier_dir), "data_path": str(data / "dataset"),
@@ -156,7 +158,14 @@ def train(python: Path, data: Path, info: dict, a) -> dict:
         "draft_vocab_size": info["draft_vocab_size"], "target_layer_ids": info["aux_layer_ids"],
         "total_seq_len": a.batch_tokens, "max_steps": a.steps, "seed": a.seed, "threads": a.threads,
         "train_data_ratio": (n_train + 0.5) / n,  # int(n * ratio) == n_train: our validation samples held out
+        "speculator_type": a.family, "overrides": overrides(a),
     }
+    done = out / "driver_summary.json"
+    if done.is_file() and (out / "draft" / "config.json").is_file() and \
+            json.loads((out / "options.json").read_text()) == options:
+        return json.loads(done.read_text())  # trained already with these options: evaluate again
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     (out / "options.json").write_text(json.dumps(options, indent=2))
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ""}
     with (out / "train.log").open("w") as log:
@@ -165,6 +174,12 @@ def train(python: Path, data: Path, info: dict, a) -> dict:
     if rc:
         raise SystemExit(f"speculators training failed (rc {rc}); see {out / 'train.log'}")
     return json.loads((out / "driver_summary.json").read_text())
+
+
+def overrides(a) -> dict:
+    """speculators' TrainConfig fields set beside the data and budget: the family's shape, then ``--overrides``."""
+    shape = {"num_layers": a.num_layers, "num_depths": a.depths} if a.family == "peagle" else {}
+    return {**shape, **json.loads(a.overrides)}
 
 
 def check_parity(python: Path, draft: Path, data: Path, work: Path, verifier: str, tokens: int = 128) -> dict:
@@ -190,7 +205,13 @@ def check_parity(python: Path, draft: Path, data: Path, work: Path, verifier: st
     if diff > 1e-3 * max(1.0, float(peer["logits"].abs().max())) or agree < 1.0:
         raise SystemExit(f"our import of {draft} does not compute speculators' forward: max |logit diff| {diff:.3g}, "
                          f"argmax agreement {agree:.3f}")
-    return {"tokens": tokens - 1, "max_abs_logit_diff": diff, "argmax_agreement": agree}
+    result = {"tokens": tokens - 1, "max_abs_logit_diff": diff, "argmax_agreement": agree}
+    if "mask_hidden" in peer:  # P-EAGLE: the mask slots' inputs (the forward above is its depth-0 slots)
+        if int(peer["mask_token_id"]) != ours.mask_token_id or not torch.equal(
+                ours.mask_hidden.reshape(-1).float(), peer["mask_hidden"]):
+            raise SystemExit(f"our import of {draft} does not read speculators' mask token id or mask hidden state")
+        result["mask_token_id"] = ours.mask_token_id
+    return result
 
 
 def evaluate_once(draft: Path, out: Path, a) -> dict:
@@ -214,6 +235,11 @@ def main() -> None:
     ap.add_argument("--hidden-states", type=Path, required=True,
                     help="a full-layout fp32 extraction of the run's prepared data (extract --layout full)")
     ap.add_argument("--verifier", default="smollm2-135m")
+    ap.add_argument("--family", choices=["eagle3", "peagle"], default="eagle3", help="speculators' draft family")
+    ap.add_argument("--num-layers", type=int, default=2, help="P-EAGLE: draft decoder layers (ours: 2)")
+    ap.add_argument("--depths", type=int, default=4, help="P-EAGLE: parallel depths (ours: 4)")
+    ap.add_argument("--overrides", default="{}", help="JSON: more speculators TrainConfig fields, e.g. "
+                    "'{\"optimizer\": \"adamw\"}' for an ablation")
     ap.add_argument("--steps", type=int, default=405)
     ap.add_argument("--batch-tokens", type=int, default=2048, help="packed tokens per optimizer step")
     ap.add_argument("--seed", type=int, default=0)
@@ -242,7 +268,9 @@ def main() -> None:
         "muon_adjust_lr_fn", "scheduler_type", "scheduler_warmup_steps", "scheduler_warmup_ratio", "loss_fn",
         "loss_implementation", "ttt_steps", "ttt_step_loss_decay", "per_position_loss_weight", "norm_before_fc",
         "norm_before_residual", "norm_output", "fc_norm", "embed_requires_grad", "sliding_window",
-        "draft_attn_impl", "total_seq_len", "hidden_states_dtype", "train_data_ratio", "seed")}
+        "draft_attn_impl", "total_seq_len", "hidden_states_dtype", "train_data_ratio", "seed", "speculator_type",
+        "num_layers", "num_depths", "down_sample_ratio", "down_sample_ratio_min", "max_anchors", "mask_token_id")}
+    recipe["embed_requires_grad"] = summary.get("embed_requires_grad")
     if recipe["scheduler_warmup_steps"] is None and recipe["scheduler_warmup_ratio"] is None:
         recipe["scheduler_warmup_steps"] = summary["global_step"] // 100  # speculators' default: 1% of the steps
     results = {
@@ -257,8 +285,9 @@ def main() -> None:
     }
     (a.work / "results.json").write_text(json.dumps(results, indent=2))
     per = " / ".join(f"{p:.3f}" for p in ev["per_position_acceptance"])
-    print(f"{PEER} eagle3 (its default recipe: {recipe['optimizer']} lr {recipe['lr']}, {recipe['scheduler_type']}, "
-          f"{recipe['loss_fn']}, ttt decay {recipe['ttt_step_loss_decay']}): {summary['global_step']} steps x "
+    print(f"{PEER} {a.family} (its default recipe: {recipe['optimizer']} lr {recipe['lr']}, "
+          f"{recipe['scheduler_type']}, {recipe['loss_fn']}, ttt decay {recipe['ttt_step_loss_decay']}): "
+          f"{summary['global_step']} steps x "
           f"{a.batch_tokens} tokens, train {summary['train_seconds']:.0f} s -> held-out τ "
           f"{ev['acceptance_length']:.3f} at k={a.k} ({per}), lossless {ev['matches_baseline']}; "
           f"{a.work / 'results.json'}")

@@ -1,4 +1,4 @@
-"""Train speculators' EAGLE-3 draft with speculators' own trainer (its ``speculators train`` code path), on CPU.
+"""Train speculators' EAGLE-3 or P-EAGLE draft with speculators' own trainer (``speculators train``), on CPU.
 
 Runs INSIDE the peer virtual environment that ``benchmarks/peer_speculators.py`` builds (speculators 0.9.0,
 torch 2.13.0 CPU); it imports nothing from tiny_speculators. It reads one JSON file of options, builds
@@ -22,6 +22,9 @@ without CUDA), so the maths runs in fp32.
 
     python benchmarks/peer_speculators_driver.py OPTIONS.json   # written by benchmarks/peer_speculators.py
     python benchmarks/peer_speculators_driver.py parity DRAFT HS_FILE TOKENS OUT.safetensors
+
+The parity forward is speculators' EAGLE-3 forward for both families: a P-EAGLE draft's depth-0 slots under causal
+attention are exactly that (its class subclasses ``Eagle3DraftModel``); its mask hidden state is saved beside.
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ def main(options_path: str) -> None:
     epochs, per_epoch = epochs_for(opts["max_steps"], lengths, opts["total_seq_len"], opts["seed"])
 
     flat = {
-        "speculator_type": "eagle3", "seed": opts["seed"], "verifier_name_or_path": opts["verifier"],
+        "speculator_type": opts.get("speculator_type", "eagle3"), "seed": opts["seed"],
+        "verifier_name_or_path": opts["verifier"],
         "target_layer_ids": opts["target_layer_ids"], "draft_vocab_size": opts["draft_vocab_size"],
         "d2t_path": opts["d2t_path"], "t2d_path": opts["t2d_path"],
         "data_path": opts["data_path"], "hidden_states_path": opts["hidden_states_path"],
@@ -111,6 +115,7 @@ def main(options_path: str) -> None:
         "steps_per_epoch": per_epoch,
         "train_samples": n_train,
         "train_tokens_per_epoch": int(sum(lengths)),
+        "embed_requires_grad": bool(model.embed_tokens.weight.requires_grad),
         "resolved_config": {k: v for k, v in resolved.items() if isinstance(v, (int, float, str, bool, list))
                             or v is None},
     }
@@ -124,8 +129,10 @@ def parity(draft: str, hs_file: str, tokens: int, out: str) -> None:
     import torch
     from safetensors.torch import load_file, save_file
     from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.models.peagle.core import PEagleDraftModel
 
-    model = Eagle3DraftModel.from_pretrained(draft).float().eval()
+    kind = json.loads((Path(draft) / "config.json").read_text())["speculators_model_type"]
+    model = {"eagle3": Eagle3DraftModel, "peagle": PEagleDraftModel}[kind].from_pretrained(draft).float().eval()
     sample = load_file(hs_file)
     ids = sample["token_ids"][:tokens].long()  # (T,)
     aux = sample["hidden_states"][:tokens, :-1].flatten(1).float()  # (T, n_aux*H)
@@ -135,10 +142,14 @@ def parity(draft: str, hs_file: str, tokens: int, out: str) -> None:
     input_ids, states = ids[1:][None], aux[:-1][None]  # (1, T-1), (1, T-1, n_aux*H)
     position_ids = torch.arange(1, len(ids))[None]  # (1, T-1)
     with torch.no_grad():
-        model(hidden_states=states, input_ids=input_ids, document_ids=torch.zeros_like(input_ids),
-              position_ids=position_ids, ttt_steps=1)
-    save_file({"logits": caught[0][0].float().contiguous(), "input_ids": input_ids[0].contiguous(),
-               "aux": states[0].contiguous(), "position_ids": position_ids[0].contiguous()}, out)
+        Eagle3DraftModel.forward(model, hidden_states=states, input_ids=input_ids,
+                                 document_ids=torch.zeros_like(input_ids), position_ids=position_ids, ttt_steps=1)
+    tensors = {"logits": caught[0][0].float().contiguous(), "input_ids": input_ids[0].contiguous(),
+               "aux": states[0].contiguous(), "position_ids": position_ids[0].contiguous()}
+    if kind == "peagle":
+        tensors["mask_hidden"] = model.mask_hidden.detach().float().reshape(-1).contiguous()
+        tensors["mask_token_id"] = torch.tensor([model.mask_token_id])
+    save_file(tensors, out)
 
 
 if __name__ == "__main__":
