@@ -49,7 +49,6 @@ def test_peagle_init_from_its_export_and_family_mismatch(tiny_inputs, tmp_path):
         train(**train_args(tiny_inputs, tmp_path / "d", max_steps=1, peagle=SMALL))
 
 
-
 def test_peagle_trained_embeddings_are_trained_exported_and_read_back(tiny_inputs, tmp_path):
     """``train_embeddings`` (speculators' P-EAGLE default): the embeddings move, the mask token's row among them
     (frozen they stay the verifier's), the export carries them (vLLM then reads the draft's own instead of sharing
