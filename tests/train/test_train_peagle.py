@@ -43,6 +43,9 @@ def test_peagle_init_from_its_export_and_family_mismatch(tiny_inputs, tmp_path):
     train(**train_args(tiny_inputs, tmp_path / "b", max_steps=1, batch_size=2, lr=0.0, algorithm="peagle",
                     peagle=SMALL, init_from=tmp_path / "exported"))
     assert_same(load_weights(tmp_path / "b"), load_weights(tmp_path / "a"), atol=0)
+    with pytest.raises(UserError, match="so peagle.train_embeddings True would have no effect"):
+        train(**train_args(tiny_inputs, tmp_path / "e", max_steps=1, batch_size=2, algorithm="peagle",
+                           peagle={**SMALL, "train_embeddings": True}, init_from=tmp_path / "exported"))
     with pytest.raises(UserError, match="is a peagle draft, this run trains eagle3"):
         train(**train_args(tiny_inputs, tmp_path / "c", max_steps=1, batch_size=2, init_from=tmp_path / "exported"))
     with pytest.raises(UserError, match="options for peagle given, but the algorithm is 'eagle3'"):

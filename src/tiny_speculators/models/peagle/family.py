@@ -46,7 +46,8 @@ class PEagleOptions:
             ``init_layer + 1``, ... (an early exit of the verifier at the depth-0 slots; ``models/verifier_init.py``).
         init_layer: the first verifier layer ``init: verifier`` copies (default: the last aux layer).
         train_embeddings: train the token embeddings (the mask token's among them) instead of keeping the
-            verifier's frozen; the export then carries them (speculators' P-EAGLE trains them by default).
+            verifier's frozen; the export then carries them (speculators' P-EAGLE trains them by default). A fresh
+            draft's: one given by --init-from keeps its own setting.
     """
 
     depths: int = 4
@@ -104,5 +105,5 @@ FAMILY = DraftFamily(
     formats=(speculators.FORMAT,),
     speculative_tokens=lambda options: options.depths,
     shape_options=("num_layers", "norm_before_residual", "norm_before_fc"),
-    fresh_options=("init", "init_layer"),
+    fresh_options=("init", "init_layer", "train_embeddings"),
 )
