@@ -35,7 +35,7 @@ def test_fresh_draft_is_the_verifiers_early_exit(family, arch, layer, num_layers
     aux = [2, 4, 5]
     build_family, options = FAMILIES[family]
     draft = build_family(_inputs(folder, verifier, aux),
-                         options(init="verifier", init_layer=layer, num_layers=num_layers))
+                         options(init="verifier", init_layer=layer, num_layers=num_layers, norm_before_residual=False))
     j = aux[-1] if layer is None else layer
     ids = torch.randint(0, verifier.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(11)[None].expand(2, -1)

@@ -35,13 +35,16 @@ class PEagleOptions:
         num_layers: decoder layers of the draft (layer 0 is the EAGLE-3 layer).
         ratio: COD sampling: depth d keeps a share ratio**d of the anchors (each chain a prefix of depths).
         ratio_min: COD sampling floor: every depth keeps at least this share.
-        decay: weight of depth d's mean loss is decay**d.
+        decay: weight of depth d's mean loss is decay**d. 0.7, the COD ratio, weighs each depth by its share of
+            the sampled elements, as speculators' P-EAGLE does (one mean over all elements).
         mask_token_id: token id fed at the mask slots (its embedding is the verifier's); default: the
             verifier's pad token, else its eos token, else 0.
         layer_type: draft decoder layers: auto (qwen3 for Qwen3 verifiers, else llama), llama, or qwen3.
-        norm_before_residual: use hidden_norm(h) as layer 0's residual (vLLM's flag).
+        norm_before_residual: use hidden_norm(h) as layer 0's residual (vLLM's flag; speculators' P-EAGLE has it on).
+            With decay 0.7, the default since it closed the gap to speculators' P-EAGLE at equal steps (dev/LOG.md,
+            session 28: held-out tau 1.325 -> 1.389; each alone +0.02).
         norm_before_fc: one RMSNorm over the concatenated aux states (and the mask hidden state) before fc
-            (vLLM's flag; speculators' P-EAGLE has it on).
+            (vLLM's flag; speculators 0.9 turns it on for EAGLE-3 only).
         init: random, or verifier: the decoder layers start as the verifier's layers ``init_layer``,
             ``init_layer + 1``, ... (an early exit of the verifier at the depth-0 slots; ``models/verifier_init.py``).
         init_layer: the first verifier layer ``init: verifier`` copies (default: the last aux layer).
@@ -54,10 +57,10 @@ class PEagleOptions:
     num_layers: int = 2
     ratio: float = 0.7
     ratio_min: float = 0.2
-    decay: float = 1.0
+    decay: float = 0.7
     mask_token_id: int | None = None
     layer_type: Literal["auto", "llama", "qwen3"] = "auto"
-    norm_before_residual: bool = False
+    norm_before_residual: bool = True
     norm_before_fc: bool = False
     init: Literal["random", "verifier"] = "random"
     init_layer: int | None = None
