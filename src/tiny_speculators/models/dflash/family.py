@@ -42,7 +42,9 @@ class DFlashOptions:
         num_layers: draft decoder layers (each gets the injected verifier context).
         anchors: random anchors (blocks) per document and training sample.
         gamma: slot k's loss weight is exp(-(k-1)/gamma); default: the paper's 4/5/7 for blocks 8/10/16.
-        loss_weighting: exp (the paper's decay) or dpace (D-PACE: weights from the draft's own confidence).
+        loss_weighting: dpace (D-PACE: weights from the draft's own confidence; speculators 0.9's DFlash default,
+            +0.02 held-out tau over exp at two seeds on the embedded data, dev/LOG.md session 28) or exp (the
+            paper's decay).
         dpace_alpha: D-PACE's confidence smoothing.
         mask_token_id: token fed at the mask slots (its embedding is the verifier's); default: the verifier's pad
             token, else its eos token, else 0.
@@ -53,7 +55,7 @@ class DFlashOptions:
     num_layers: int = 2
     anchors: int = 64
     gamma: float | None = None
-    loss_weighting: Literal["exp", "dpace"] = "exp"
+    loss_weighting: Literal["exp", "dpace"] = "dpace"
     dpace_alpha: float = 0.5
     mask_token_id: int | None = None
     causal: bool = False
