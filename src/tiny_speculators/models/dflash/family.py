@@ -1,7 +1,7 @@
 """DFlash (block diffusion, arXiv 2602.06036) as a draft family: its options, builder and table entry.
 
     train: {algorithm: dflash, dflash: {block_size: 8, num_layers: 2}}       # YAML
-    tiny-speculators train ... --algorithm dflash --dflash-block-size 8 --dflash-loss-weighting dpace
+    tiny-speculators train ... --algorithm dflash --dflash-block-size 8 --dflash-loss-weighting exp
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ class DFlashOptions:
             speculative tokens.
         num_layers: draft decoder layers (each gets the injected verifier context).
         anchors: random anchors (blocks) per document and training sample.
-        gamma: slot k's loss weight is exp(-(k-1)/gamma); default: the paper's 4/5/7 for blocks 8/10/16.
+        gamma: with loss_weighting exp, slot k's loss weight is exp(-(k-1)/gamma); default: the paper's 4/5/7
+            for blocks 8/10/16.
         loss_weighting: dpace (D-PACE: weights from the draft's own confidence; speculators 0.9's DFlash default,
             +0.02 held-out tau over exp at two seeds on the embedded data, dev/LOG.md session 28) or exp (the
             paper's decay).
