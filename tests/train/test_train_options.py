@@ -34,6 +34,7 @@ def test_family_section_binds_to_its_dataclass():
     ({"eagle3": {"ttt_steps": "three"}}, r"option 'eagle3'\.ttt_steps must be an integer"),
     ({"eagle3": {"ttt_steps": 0}}, r"option 'eagle3': ttt_steps must be at least 1"),
     ({"eagle3": [3]}, r"option 'eagle3' must be a mapping"),
+    ({"algorithm": "dflash", "dflash": {"gamma": 5.0}}, r"option 'dflash': gamma acts only with loss_weighting exp"),
     ({"algorithm": "medusa"}, r"option 'algorithm' must be one of"),
     ({"no_such_family": {}}, r"unknown option\(s\) no_such_family"),
 ])

@@ -41,8 +41,8 @@ class DFlashOptions:
             speculative tokens.
         num_layers: draft decoder layers (each gets the injected verifier context).
         anchors: random anchors (blocks) per document and training sample.
-        gamma: with loss_weighting exp, slot k's loss weight is exp(-(k-1)/gamma); default: the paper's 4/5/7
-            for blocks 8/10/16.
+        gamma: with loss_weighting exp only (refused with dpace), slot k's loss weight is exp(-(k-1)/gamma);
+            default: the paper's 4/5/7 for blocks 8/10/16.
         loss_weighting: dpace (D-PACE: weights from the draft's own confidence; speculators 0.9's DFlash default,
             +0.02 held-out tau over exp at two seeds on the embedded data, dev/LOG.md session 28) or exp (the
             paper's decay).
@@ -63,6 +63,9 @@ class DFlashOptions:
 
     def __post_init__(self) -> None:
         check_block_options(self)
+        if self.gamma is not None and self.loss_weighting != "exp":
+            raise ValueError(f"gamma acts only with loss_weighting exp (here {self.loss_weighting}, whose weights come "
+                             "from the draft's confidence): drop it, or set loss_weighting exp")
         if not 0 <= self.dpace_alpha <= 1:
             raise ValueError(f"dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
 
