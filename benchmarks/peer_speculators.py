@@ -1,6 +1,6 @@
-"""speculators' EAGLE-3 or P-EAGLE recipe on OUR data and budget, measured by OUR evaluator (issues #14, #36).
+"""speculators' EAGLE-3, P-EAGLE, DFlash or DSpark recipe on OUR data and budget, judged by OUR evaluator (#14, #36).
 
-vllm-project/speculators (PyPI ``speculators==0.9.0``) trains its EAGLE-3 draft with its own trainer and its own
+vllm-project/speculators (PyPI ``speculators==0.9.0``) trains its draft with its own trainer and its own
 defaults on exactly the tokens, loss masks and fp32 hidden states our run trained on, for the same number of
 optimizer steps of the same number of packed tokens; the draft it saves (``save_pretrained``, speculators format)
 is then evaluated by ``tiny-speculators evaluate`` on the held-out built-in prompts, like our drafts.
@@ -22,8 +22,12 @@ is then evaluated by ``tiny-speculators evaluate`` on the held-out built-in prom
    ``total_seq_len`` = ``--batch-tokens`` (its packed tokens per step), ``max_steps`` = ``--steps``, seed, fp32
    hidden states, no dataloader workers. CPU patches and the epoch count are described in the driver.
 4. Evaluation: a parity check first (speculators' own forward and our import of the saved draft give the same
-   first-step logits on a stored sample), then ``tiny-speculators evaluate`` of ``<work>/train/draft`` (k = 3,
-   greedy fp32; reused when already run with the same settings).
+   logits on a stored sample: the first step for EAGLE-3 and P-EAGLE, every slot of fixed blocks for DFlash and
+   DSpark), then ``tiny-speculators evaluate`` of ``<work>/train/draft`` (``--k``, greedy fp32; reused when already
+   run with the same settings). speculators' DFlash and DSpark layers are sliding-window by default (window 2048,
+   causal inside the block); our importer has no sliding-window DFlash layers, so they are read through a copy
+   that declares full attention (``draft-unwindowed``): the same function while no context reaches the window,
+   which the harness checks against the longest training and evaluation sequence, and the parity check pins.
 5. ``<work>/results.json`` and a one-line summary.
 
 What still differs from our run, by design (speculators' recipe, recorded under ``recipe`` in results.json): its
@@ -45,6 +49,17 @@ supervised (ours: when t+1 is), across packed documents.
     python benchmarks/peer_speculators.py --family peagle --num-layers 2 --depths 4 --run runs/smollm2-135m-peagle \
         --hidden-states runs/smollm2-135m-peagle/extract-full --steps 108 --batch-tokens 2048 \
         --work runs/peers/speculators-peagle
+    # DFlash (issue #36): speculators' DFlash trainer at our draft's shape (2 layers, block 4) on the DFlash
+    # config's data and aux layers; its recipe otherwise (D-PACE, CE, up to 512 anchors per packed sequence, Muon)
+    tiny-speculators extract --data runs/smollm2-135m-dflash/prepare --out runs/smollm2-135m-dflash/extract-full \
+        --layout full --layers 2 9 15 21 28
+    python benchmarks/peer_speculators.py --family dflash --run runs/smollm2-135m-dflash \
+        --hidden-states runs/smollm2-135m-dflash/extract-full --steps 81 --batch-tokens 2048 \
+        --work runs/peers/speculators-dflash
+    # DSpark: the same data (its embedded config shares DFlash's), block 4, judged at k = 4 like ours
+    python benchmarks/peer_speculators.py --family dspark --run runs/smollm2-135m-dspark \
+        --hidden-states runs/smollm2-135m-dflash/extract-full --steps 81 --batch-tokens 2048 --k 4 \
+        --work runs/peers/speculators-dspark
     # tiny smoke run
     python benchmarks/peer_speculators.py --run runs/smollm2-135m --hidden-states runs/smollm2-135m/extract-full \
         --steps 4 --max-prompts 1 --max-new-tokens 16 --work runs/peers/speculators-smoke
@@ -178,13 +193,38 @@ def train(python: Path, data: Path, info: dict, a) -> dict:
 
 def overrides(a) -> dict:
     """speculators' TrainConfig fields set beside the data and budget: the family's shape, then ``--overrides``."""
-    shape = {"num_layers": a.num_layers, "num_depths": a.depths} if a.family == "peagle" else {}
+    block = {"num_layers": a.num_layers, "block_size": a.block_size}
+    shape = {"eagle3": {}, "peagle": {"num_layers": a.num_layers, "num_depths": a.depths}, "dflash": block,
+             "dspark": block}[a.family]
     return {**shape, **json.loads(a.overrides)}
 
 
-def check_parity(python: Path, draft: Path, data: Path, work: Path, verifier: str, tokens: int = 128) -> dict:
-    """Speculators' forward and our importer's draft on the same stored sample: first-step logits must agree, or
-    our evaluator would measure a different function from the one speculators trained."""
+def unwindowed(draft: Path, longest: int) -> Path:
+    """A DFlash/DSpark draft whose layers are sliding-window (speculators' default: window 2048, causal inside the
+    block), as a copy that declares full attention, for our importer, which refuses sliding-window DFlash layers.
+    The same function wherever no context reaches the window: checked against ``longest``, the longest sequence
+    trained or evaluated, and pinned by :func:`check_parity`. ``draft`` itself when it has no sliding layers."""
+    cfg = json.loads((draft / "config.json").read_text())
+    layer = cfg["transformer_layer_config"]
+    if "sliding_attention" not in (layer.get("layer_types") or []):
+        return draft
+    if layer["sliding_window"] < longest:
+        raise SystemExit(f"{draft}: sliding window {layer['sliding_window']} < {longest} tokens, where it binds: "
+                         "our importer has no sliding-window DFlash layers")
+    out = draft.parent / "draft-unwindowed"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(draft, out)
+    layer.update(layer_types=["full_attention"] * len(layer["layer_types"]), use_sliding_window=False)
+    # vLLM 0.32 and our importer read block causality from sliding_window_non_causal (false here: causal)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def check_parity(python: Path, draft: Path, data: Path, work: Path, verifier: str, tokens: int = 128,
+                 ours_draft: Path | None = None) -> dict:
+    """Speculators' forward and our importer's draft on the same stored sample: the logits must agree (EAGLE-3 and
+    P-EAGLE: the first step; DFlash: every slot of blocks at fixed anchors), or our evaluator would measure a
+    different function from the one speculators trained."""
     import torch
     from safetensors.torch import load_file
 
@@ -195,23 +235,47 @@ def check_parity(python: Path, draft: Path, data: Path, work: Path, verifier: st
                     str(tokens), str(out)], check=True, env={**os.environ, "PYTHONPATH": ""},
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     peer = load_file(str(out))
-    ours, _ = import_draft(draft, verifier=verifier)
+    ours, _ = import_draft(ours_draft or draft, verifier=verifier)
     ours.eval()
     with torch.no_grad():
-        logits = ours(peer["input_ids"][None].long(), ours.fuse(peer["aux"][None]),
-                      peer["position_ids"][None].long()).logits[0].float()  # (T-1, Vd)
+        if "anchors" in peer:  # DFlash, DSpark
+            logits, confidence = block_logits(ours, peer)
+            if "confidence" in peer and float((confidence - peer["confidence"]).abs().max()) > 1e-3:
+                raise SystemExit(f"our import of {draft} does not compute speculators' DSpark confidence head")
+        else:
+            logits = ours(peer["input_ids"][None].long(), ours.fuse(peer["aux"][None]),
+                          peer["position_ids"][None].long()).logits[0].float()  # (T-1, Vd)
     diff = float((logits - peer["logits"]).abs().max())
     agree = float((logits.argmax(-1) == peer["logits"].argmax(-1)).float().mean())
     if diff > 1e-3 * max(1.0, float(peer["logits"].abs().max())) or agree < 1.0:
         raise SystemExit(f"our import of {draft} does not compute speculators' forward: max |logit diff| {diff:.3g}, "
                          f"argmax agreement {agree:.3f}")
-    result = {"tokens": tokens - 1, "max_abs_logit_diff": diff, "argmax_agreement": agree}
+    result = {"positions": int(logits.shape[0]), "max_abs_logit_diff": diff, "argmax_agreement": agree}
     if "mask_hidden" in peer:  # P-EAGLE: the mask slots' inputs (the forward above is its depth-0 slots)
         if int(peer["mask_token_id"]) != ours.mask_token_id or not torch.equal(
                 ours.mask_hidden.reshape(-1).float(), peer["mask_hidden"]):
             raise SystemExit(f"our import of {draft} does not read speculators' mask token id or mask hidden state")
         result["mask_token_id"] = ours.mask_token_id
     return result
+
+
+def block_logits(ours, peer: dict) -> tuple:
+    """Our import's logits ``[A*L, Vd]`` (and DSpark's confidence logits ``[A*L]``, else None) for every slot of the
+    blocks at ``peer["anchors"]``: DSpark's Markov bias sees the block's own tokens before each slot (teacher
+    forcing, as speculators trains it)."""
+    import torch
+
+    from tiny_speculators.models.dflash.objective import block_hidden
+
+    ids, anchors = peer["input_ids"].long(), peer["anchors"].long()  # (T,), (A,)
+    hidden, _ = block_hidden(ours, {"input_ids": ids[None], "aux_hidden_states": peer["aux"][None]}, anchors[None],
+                             anchor_chunk=len(anchors))  # (1, A, L, H)
+    if not hasattr(ours, "heads"):  # DFlash
+        return ours.compute_logits(hidden).reshape(peer["logits"].shape).float(), None
+    size = hidden.shape[2]
+    prev = ids[anchors[:, None] + torch.arange(size)]  # (A, L): the token before each slot's prediction
+    logits, confidence = ours.heads(hidden[0], prev)
+    return logits.reshape(peer["logits"].shape), None if confidence is None else confidence.reshape(-1)
 
 
 def evaluate_once(draft: Path, out: Path, a) -> dict:
@@ -235,8 +299,11 @@ def main() -> None:
     ap.add_argument("--hidden-states", type=Path, required=True,
                     help="a full-layout fp32 extraction of the run's prepared data (extract --layout full)")
     ap.add_argument("--verifier", default="smollm2-135m")
-    ap.add_argument("--family", choices=["eagle3", "peagle"], default="eagle3", help="speculators' draft family")
-    ap.add_argument("--num-layers", type=int, default=2, help="P-EAGLE: draft decoder layers (ours: 2)")
+    ap.add_argument("--family", choices=["eagle3", "peagle", "dflash", "dspark"], default="eagle3",
+                    help="speculators' draft family")
+    ap.add_argument("--num-layers", type=int, default=2, help="P-EAGLE, DFlash, DSpark: draft decoder layers (ours: 2)")
+    ap.add_argument("--block-size", type=int, default=4,
+                    help="DFlash and DSpark: slots per block (configs/smollm2-135m-dflash.yaml, -dspark.yaml: 4)")
     ap.add_argument("--depths", type=int, default=4, help="P-EAGLE: parallel depths (ours: 4)")
     ap.add_argument("--overrides", default="{}", help="JSON: more speculators TrainConfig fields, e.g. "
                     "'{\"optimizer\": \"adamw\"}' for an ablation")
@@ -260,8 +327,10 @@ def main() -> None:
     summary = train(python, a.work / "data", info, a)
     train_wall = time.perf_counter() - t0
     draft = a.work / "train" / "draft"
-    parity = check_parity(python, draft, a.work / "data", a.work / "train", a.verifier)
-    ev = evaluate_once(draft, a.work / "evaluate", a)
+    # the longest context: a packed training sequence, or a held-out prompt (under 200 characters) and its answer
+    ours_draft = unwindowed(draft, max(a.batch_tokens, 1024 + a.max_new_tokens))
+    parity = check_parity(python, draft, a.work / "data", a.work / "train", a.verifier, ours_draft=ours_draft)
+    ev = evaluate_once(ours_draft, a.work / "evaluate", a)
     cfg = summary["resolved_config"]
     recipe = {key: cfg.get(key) for key in (
         "optimizer", "lr", "weight_decay", "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_steps",
@@ -269,7 +338,8 @@ def main() -> None:
         "loss_implementation", "ttt_steps", "ttt_step_loss_decay", "per_position_loss_weight", "norm_before_fc",
         "norm_before_residual", "norm_output", "fc_norm", "embed_requires_grad", "sliding_window",
         "draft_attn_impl", "total_seq_len", "hidden_states_dtype", "train_data_ratio", "seed", "speculator_type",
-        "num_layers", "num_depths", "down_sample_ratio", "down_sample_ratio_min", "max_anchors", "mask_token_id")}
+        "num_layers", "num_depths", "down_sample_ratio", "down_sample_ratio_min", "max_anchors", "mask_token_id",
+        "block_size", "sample_from_anchor", "dflash_decay_gamma", "dpace_alpha")}
     recipe["embed_requires_grad"] = summary.get("embed_requires_grad")
     if recipe["scheduler_warmup_steps"] is None and recipe["scheduler_warmup_ratio"] is None:
         recipe["scheduler_warmup_steps"] = summary["global_step"] // 100  # speculators' default: 1% of the steps

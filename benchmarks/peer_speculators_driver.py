@@ -1,4 +1,4 @@
-"""Train speculators' EAGLE-3 or P-EAGLE draft with speculators' own trainer (``speculators train``), on CPU.
+"""Train speculators' EAGLE-3, P-EAGLE, DFlash or DSpark draft with its own trainer (``speculators train``), on CPU.
 
 Runs INSIDE the peer virtual environment that ``benchmarks/peer_speculators.py`` builds (speculators 0.9.0,
 torch 2.13.0 CPU); it imports nothing from tiny_speculators. It reads one JSON file of options, builds
@@ -23,12 +23,15 @@ without CUDA), so the maths runs in fp32.
     python benchmarks/peer_speculators_driver.py OPTIONS.json   # written by benchmarks/peer_speculators.py
     python benchmarks/peer_speculators_driver.py parity DRAFT HS_FILE TOKENS OUT.safetensors
 
-The parity forward is speculators' EAGLE-3 forward for both families: a P-EAGLE draft's depth-0 slots under causal
-attention are exactly that (its class subclasses ``Eagle3DraftModel``); its mask hidden state is saved beside.
+The parity forward is speculators' EAGLE-3 forward for EAGLE-3 and P-EAGLE: a P-EAGLE draft's depth-0 slots under
+causal attention are exactly that (its class subclasses ``Eagle3DraftModel``); its mask hidden state is saved beside.
+For DFlash and DSpark it is the training forward on fixed anchors (every ``block_size``-th position): every slot's
+logits (DSpark's with its Markov bias, and its confidence logits).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -128,14 +131,20 @@ def parity(draft: str, hs_file: str, tokens: int, out: str) -> None:
     the harness's check that our importer runs the same function)."""
     import torch
     from safetensors.torch import load_file, save_file
+    from speculators.models.dflash.core import DFlashDraftModel
+    from speculators.models.dspark.core import DSparkDraftModel
     from speculators.models.eagle3.core import Eagle3DraftModel
     from speculators.models.peagle.core import PEagleDraftModel
 
     kind = json.loads((Path(draft) / "config.json").read_text())["speculators_model_type"]
-    model = {"eagle3": Eagle3DraftModel, "peagle": PEagleDraftModel}[kind].from_pretrained(draft).float().eval()
+    model = {"eagle3": Eagle3DraftModel, "peagle": PEagleDraftModel,
+             "dflash": DFlashDraftModel, "dspark": DSparkDraftModel}[kind].from_pretrained(draft).float().eval()
     sample = load_file(hs_file)
     ids = sample["token_ids"][:tokens].long()  # (T,)
     aux = sample["hidden_states"][:tokens, :-1].flatten(1).float()  # (T, n_aux*H)
+    if kind in ("dflash", "dspark"):
+        save_file(block_logits(model, kind, ids, aux, sample["hidden_states"][:tokens, -1].float()), out)
+        return
     caught: list = []
     model.lm_head.register_forward_hook(lambda mod, args, output: caught.append(output.detach()))
     # speculators' shift_batch: token t+1 with the states of token t; positions start at 1
@@ -150,6 +159,42 @@ def parity(draft: str, hs_file: str, tokens: int, out: str) -> None:
         tensors["mask_hidden"] = model.mask_hidden.detach().float().reshape(-1).contiguous()
         tensors["mask_token_id"] = torch.tensor([model.mask_token_id])
     save_file(tensors, out)
+
+
+class Caught(Exception):
+    """Raised by the patched loss once it has the draft's outputs (the loss itself is not needed)."""
+
+
+def block_logits(model, kind: str, ids, aux, last) -> dict:
+    """A DFlash or DSpark draft's logits for every slot of blocks anchored at every ``block_size``-th position of one
+    sample (speculators' anchor sampler replaced by that fixed choice; everything else is its training forward up
+    to its loss: DSpark's logits with the Markov bias, and its confidence logits)."""
+    import speculators.models.dflash.core as dflash_core
+    import speculators.models.dspark.core as dspark_core
+    import torch
+
+    size = model.block_size
+    anchors = torch.arange(1, len(ids) - size, size)  # (A,): whole blocks inside the sample
+    dflash_core.select_anchors = lambda loss_mask, n, block_size: (anchors, torch.ones(len(anchors), dtype=bool))
+    caught: dict = {}
+
+    def catch(logits, targets, confidence_logits, *args, **kwargs):
+        caught.update(logits=logits, confidence=confidence_logits)
+        raise Caught
+
+    dspark_core.compute_metrics = catch
+    args = (aux[None], ids[None], torch.ones_like(ids)[None], last[None], torch.zeros_like(ids)[None])
+    with torch.no_grad():
+        if kind == "dflash":
+            _, caught["logits"], *_ = model._backbone_forward(*args, max_anchors=len(anchors))
+        else:
+            with contextlib.suppress(Caught):
+                model(*args, max_anchors=len(anchors))
+    out = {"logits": caught["logits"][0].float().contiguous(), "input_ids": ids.contiguous(),
+           "aux": aux.contiguous(), "anchors": anchors.contiguous()}
+    if caught.get("confidence") is not None:
+        out["confidence"] = caught["confidence"][0].float().contiguous()
+    return out
 
 
 if __name__ == "__main__":
