@@ -223,7 +223,7 @@ def unwindowed(draft: Path, longest: int) -> Path:
 def check_parity(python: Path, draft: Path, data: Path, work: Path, verifier: str, tokens: int = 128,
                  ours_draft: Path | None = None) -> dict:
     """Speculators' forward and our importer's draft on the same stored sample: the logits must agree (EAGLE-3 and
-    P-EAGLE: the first step; DFlash: every slot of blocks at fixed anchors), or our evaluator would measure a
+    P-EAGLE: the first step; DFlash, DSpark: every slot of blocks at fixed anchors), or our evaluator would measure a
     different function from the one speculators trained."""
     import torch
     from safetensors.torch import load_file
@@ -240,7 +240,8 @@ def check_parity(python: Path, draft: Path, data: Path, work: Path, verifier: st
     with torch.no_grad():
         if "anchors" in peer:  # DFlash, DSpark
             logits, confidence = block_logits(ours, peer)
-            if "confidence" in peer and float((confidence - peer["confidence"]).abs().max()) > 1e-3:
+            if "confidence" in peer and (confidence is None or
+                                         float((confidence - peer["confidence"]).abs().max()) > 1e-3):
                 raise SystemExit(f"our import of {draft} does not compute speculators' DSpark confidence head")
         else:
             logits = ours(peer["input_ids"][None].long(), ours.fuse(peer["aux"][None]),
