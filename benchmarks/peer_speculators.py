@@ -36,7 +36,8 @@ all on); it reads fp32 aux states (ours: fp8) and a KL to the verifier's full di
 draft vocabulary (ours: its top-64 tokens, renormalized over the draft vocabulary); Muon (2-D matrices) + AdamW,
 linear decay to 0 after 1% warmup (ours: AdamW, cosine, min(10, steps/10) warmup steps in benchmarks/recipe.py);
 TTT steps weighted equally (ours: 0.8 decay); its loss mask counts the prediction of token t+1 when token t is
-supervised (ours: when t+1 is), across packed documents.
+supervised (ours: when t+1 is), across packed documents. That paragraph is EAGLE-3's; for P-EAGLE, DFlash and
+DSpark the comments of the examples below name speculators' recipe, and ``recipe`` in results.json records it.
 
     # the same prepared samples, extracted in the full layout (fp32 aux states + the last hidden state)
     tiny-speculators extract --data runs/smollm2-135m/prepare --out runs/smollm2-135m/extract-full --layout full
