@@ -228,8 +228,8 @@ def _monitor_sees_an_induced_drop(url: str, tmp_path: Path) -> None:
     /metrics counted; the second window, judged against the first's τ less 5%, alerts. The test draft's greedy τ
     is only ~1.13 (10 of 77 drafts accepted), so the drop must be near total: at temperature 1.5 CI runs saw 0 to 7
     of ~88 sampled drafts accepted (τ 1.00 to 1.08), and both the 10% line (at most 1) and the 5% line (at most 6)
-    failed once. Each window lasts 30 s: the 3 requests of 32 tokens took ~18 s at temperature 2 (96 verifier steps) in a
-    CI run whose 15 s window counted 79 of them and failed."""
+    failed once. Each window lasts 30 s: the 3 requests of 32 tokens took ~18 s at temperature 2 (96 verifier steps)
+    in a CI run whose 15 s window counted 79 of them and failed."""
     import threading
 
     from vllm_helpers import TRAIN_PROMPTS

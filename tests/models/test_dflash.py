@@ -16,8 +16,11 @@ from tiny_speculators.models.dflash.family import default_aux_layer_ids
 from tiny_speculators.models.dflash.model import DFlashDraft
 from tiny_speculators.models.dflash.objective import (
     DFlashObjective,
+    anchor_chunks,
+    block_hidden,
     block_inputs,
     candidate_anchors,
+    document_starts,
     sample_anchors,
     slot_weights,
 )
@@ -65,9 +68,11 @@ EXPECTED = [[0.859, -0.4205, -0.0648], [-0.5863, 0.0312, 0.5273], [-0.5902, 0.03
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_training_attention_equals_inference(packed):
+@pytest.mark.parametrize("anchor_chunk", [None, 1000, 3])
+def test_training_attention_equals_inference(packed, anchor_chunk):
     """Each training block (anchor a) equals the inference forward of vLLM's DFlash proposer with the context
-    = the verified positions of a's document before a, and the block [x_a, mask...] at a's positions."""
+    = the verified positions of a's document before a, and the block [x_a, mask...] at a's positions: over the
+    whole row's keys (None) and through ``block_hidden``, whose forwards see only the keys their blocks may."""
     from tiny_speculators.models.ttt import positions_from_documents
 
     draft = tiny_dflash(num_layers=2, block_size=4)
@@ -77,9 +82,13 @@ def test_training_attention_equals_inference(packed):
     pos = positions_from_documents(doc) if doc is not None else torch.arange(t).expand(b, t)
     anchors, ok = sample_anchors(candidate_anchors(mask, docs, 4), docs, None)
     with torch.no_grad():
-        q_ids, q_pos, ctx_mask = block_inputs(ids, pos, docs, anchors, 4, MASK)
-        hidden = draft(q_ids, q_pos, draft.context(aux, pos), ctx_mask, block_size=4)
-        hidden = hidden.view(b, anchors.shape[1], 4, -1)
+        if anchor_chunk is None:
+            q_ids, q_pos, ctx_mask = block_inputs(ids, pos, docs, anchors, 4, MASK)
+            hidden = draft(q_ids, q_pos, draft.context(aux, pos), ctx_mask, block_size=4)
+            hidden = hidden.view(b, anchors.shape[1], 4, -1)
+        else:
+            batch = {"input_ids": ids, "aux_hidden_states": aux, **({"document_ids": doc} if packed else {})}
+            hidden, _ = block_hidden(draft, batch, anchors, anchor_chunk)
         checked = 0
         for r in range(b):
             for j, a in enumerate(anchors[r].tolist()):
@@ -93,6 +102,22 @@ def test_training_attention_equals_inference(packed):
                 torch.testing.assert_close(hidden[r, j], want, atol=1e-5, rtol=1e-5, msg=f"row {r} anchor {a}")
                 checked += 1
     assert checked > 15
+
+
+def test_anchor_chunks_score_only_the_keys_their_blocks_see():
+    """Documents of 6, 5 and 5 tokens in one packed row: a forward per document once each holds ``min_anchors``,
+    else at most ``max_anchors`` columns over the keys from the first one's document start to the last anchor."""
+    doc = torch.tensor([[0] * 6 + [1] * 5 + [2] * 5])
+    anchors = torch.tensor([[1, 3, 7, 9, 12, 14]])
+    starts = document_starts(doc)
+    assert starts.tolist() == [[0] * 6 + [6] * 5 + [11] * 5]
+    assert anchor_chunks(anchors, starts, 4, min_anchors=1) == [
+        (slice(0, 2), (0, 3)), (slice(2, 4), (6, 9)), (slice(4, 6), (11, 14))]
+    assert anchor_chunks(anchors, starts, 4) == [(slice(0, 4), (0, 9)), (slice(4, 6), (11, 14))]
+    # two rows: a column's keys cover both rows' anchors (row 1 pads with anchor 0, whose document starts at 0)
+    two = torch.tensor([[2, 12, 14], [3, 13, 0]])
+    assert anchor_chunks(two, document_starts(doc.expand(2, -1)), 4, min_anchors=1) == [
+        (slice(0, 1), (0, 3)), (slice(1, 3), (0, 14))]
 
 
 def test_anchors_are_sampled_per_document_in_training_and_all_in_eval():

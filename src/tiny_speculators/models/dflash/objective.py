@@ -42,8 +42,9 @@ from tiny_speculators.models.ttt import positions_of
 KEEP = "_dflash_anchors"  # batch key: (anchors [B, N], valid [B, N]) set by loss_counts
 METRIC_KEYS = ("loss_sum", "wloss_sum", "count", "correct", "cond_correct", "cond_count")
 
-__all__ = ["DFlashObjective", "anchored", "at_anchors", "batch_anchors", "block_hidden", "block_inputs",
-           "candidate_anchors", "documents", "sample_anchors", "slot_weights", "verifier_targets"]
+__all__ = ["DFlashObjective", "anchor_chunks", "anchored", "at_anchors", "batch_anchors", "block_hidden",
+           "block_inputs", "candidate_anchors", "document_starts", "documents", "sample_anchors", "slot_weights",
+           "verifier_targets"]
 
 
 def documents(batch: Mapping[str, Any]) -> torch.Tensor:
@@ -122,24 +123,59 @@ def anchored(batch: dict[str, Any], key: str, block_size: int, per_document: int
 
 
 def block_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, doc: torch.Tensor, anchors: torch.Tensor,
-                 block_size: int, mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Blocks of ``anchors [B, N]``: ids and positions ``[B, N*L]`` and the context mask ``[B, N*L, T]``."""
+                 block_size: int, mask_token_id: int,
+                 keys: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Blocks of ``anchors [B, N]``: ids and positions ``[B, N*L]`` and the context mask ``[B, N*L, K]`` over the
+    context keys ``keys = (lo, hi)`` (all ``T`` when None)."""
     b, n = anchors.shape
-    t = input_ids.shape[1]
+    lo, hi = keys if keys is not None else (0, input_ids.shape[1])
     ids = torch.full((b, n, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
     ids[:, :, 0] = input_ids.gather(1, anchors)
     offsets = torch.arange(block_size, device=anchors.device)
     pos = position_ids.gather(1, anchors)[:, :, None] + offsets  # (B, N, L)
-    keys = torch.arange(t, device=anchors.device)
-    ctx = (keys[None, None, :] < anchors[:, :, None]) & (doc[:, None, :] == doc.gather(1, anchors)[:, :, None])
-    ctx = ctx[:, :, None, :].expand(b, n, block_size, t)  # (B, N, L, T)
-    return ids.reshape(b, n * block_size), pos.reshape(b, n * block_size), ctx.reshape(b, n * block_size, t)
+    key = torch.arange(lo, hi, device=anchors.device)
+    ctx = (key[None, None, :] < anchors[:, :, None]) & (doc[:, None, lo:hi] == doc.gather(1, anchors)[:, :, None])
+    ctx = ctx[:, :, None, :].expand(b, n, block_size, hi - lo)  # (B, N, L, K)
+    return ids.reshape(b, n * block_size), pos.reshape(b, n * block_size), ctx.reshape(b, n * block_size, hi - lo)
+
+
+def document_starts(doc: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: the first position of each position's document id in its row."""
+    t = doc.shape[1]
+    out = torch.empty_like(doc, dtype=torch.long)
+    for r in range(doc.shape[0]):
+        _, inverse = torch.unique(doc[r], return_inverse=True)
+        first = torch.full((int(inverse.max()) + 1,), t, dtype=torch.long, device=doc.device)
+        first = first.scatter_reduce(0, inverse, torch.arange(t, device=doc.device), "amin")
+        out[r] = first[inverse]
+    return out
+
+
+def anchor_chunks(anchors: torch.Tensor, starts: torch.Tensor, max_anchors: int,
+                  min_anchors: int = 16) -> list[tuple[slice, tuple[int, int]]]:
+    """The forwards over ``anchors [B, N]`` (sorted per row): columns ``slice`` and the context keys ``(lo, hi)``
+    they may see, every key ``k`` with ``start(a) <= k < a`` for each anchor ``a`` of the columns (``starts``:
+    :func:`document_starts`). At most ``max_anchors`` columns each; a new forward also begins where a document
+    starts after every key the current one sees, once it holds ``min_anchors`` columns (a packed row's blocks then
+    score their own document's keys, not the whole row's)."""
+    lo = starts.gather(1, anchors).amin(dim=0).tolist()
+    hi = anchors.amax(dim=0).tolist()
+    chunks, first, c_lo, c_hi = [], 0, lo[0], hi[0]
+    for j in range(1, anchors.shape[1]):
+        if j - first == max_anchors or (j - first >= min_anchors and lo[j] >= c_hi):
+            chunks.append((slice(first, j), (c_lo, c_hi)))
+            first, c_lo, c_hi = j, lo[j], hi[j]
+        else:
+            c_lo, c_hi = min(c_lo, lo[j]), max(c_hi, hi[j])
+    chunks.append((slice(first, anchors.shape[1]), (c_lo, c_hi)))
+    return chunks
 
 
 def block_hidden(draft: DFlashDraft, batch: Mapping[str, Any], anchors: torch.Tensor, anchor_chunk: int,
                  keep: slice = slice(None)) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Pre-norm outputs ``[B, N, L', H]`` of the slots ``keep`` (all ``L`` by default) of every block of ``anchors
-    [B, N]``, ``anchor_chunk`` anchors per forward (bounded attention memory); and the injected context."""
+    [B, N]`` (sorted per row), at most ``anchor_chunk`` anchors per forward (bounded attention memory), each forward
+    over the context keys its blocks may see (:func:`anchor_chunks`); and the injected context."""
     ids = batch["input_ids"]
     b = ids.shape[0]
     doc = documents(batch)
@@ -147,10 +183,11 @@ def block_hidden(draft: DFlashDraft, batch: Mapping[str, Any], anchors: torch.Te
     size = draft.block_size
     context = draft.context(batch["aux_hidden_states"], pos)
     hidden = []
-    for s in range(0, anchors.shape[1], anchor_chunk):
-        a = anchors[:, s:s + anchor_chunk]
-        q_ids, q_pos, ctx_mask = block_inputs(ids, pos, doc, a, size, draft.mask_token_id)
-        h = draft(q_ids, q_pos, context, ctx_mask, block_size=size)  # (B, n*L, H)
+    for columns, (lo, hi) in anchor_chunks(anchors, document_starts(doc), anchor_chunk):
+        a = anchors[:, columns]
+        q_ids, q_pos, ctx_mask = block_inputs(ids, pos, doc, a, size, draft.mask_token_id, keys=(lo, hi))
+        keys = [(k[:, :, lo:hi], v[:, :, lo:hi]) for k, v in context]
+        h = draft(q_ids, q_pos, keys, ctx_mask, block_size=size)  # (B, n*L, H)
         hidden.append(h.view(b, a.shape[1], size, -1)[:, :, keep])
     return torch.cat(hidden, dim=1), context  # (B, N, L', H)
 
