@@ -20,11 +20,11 @@ from tiny_speculators.models.dflash.objective import (
     block_hidden,
     block_inputs,
     candidate_anchors,
-    document_starts,
     sample_anchors,
     slot_weights,
 )
 from tiny_speculators.models.losses import LossSpec
+from tiny_speculators.models.ttt import document_starts
 
 
 def _ours(draft, aux, ctx_pos, block_ids, block_pos):

@@ -107,14 +107,19 @@ class TTTOutput:
     metrics: dict[str, torch.Tensor]  # detached [K] sums, keys METRIC_KEYS
 
 
-def positions_from_documents(document_ids: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` document ids -> positions restarting at 0 at each document start."""
+def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` document ids (contiguous runs, as packing writes them) -> each position's document start."""
     b, t = document_ids.shape
     idx = torch.arange(t, device=document_ids.device).expand(b, t)
     start = torch.ones_like(document_ids, dtype=torch.bool)
     start[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
-    return idx - first
+    return torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+
+
+def positions_from_documents(document_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` document ids -> positions restarting at 0 at each document start."""
+    t = document_ids.shape[1]
+    return torch.arange(t, device=document_ids.device) - document_starts(document_ids)
 
 
 def positions_of(input_ids: torch.Tensor, document_ids: torch.Tensor | None,

@@ -37,14 +37,13 @@ from tiny_speculators.models.losses import (
     dpace_weights,
     rowwise_losses,
 )
-from tiny_speculators.models.ttt import positions_of
+from tiny_speculators.models.ttt import document_starts, positions_of
 
 KEEP = "_dflash_anchors"  # batch key: (anchors [B, N], valid [B, N]) set by loss_counts
 METRIC_KEYS = ("loss_sum", "wloss_sum", "count", "correct", "cond_correct", "cond_count")
 
 __all__ = ["DFlashObjective", "anchor_chunks", "anchored", "at_anchors", "batch_anchors", "block_hidden",
-           "block_inputs", "candidate_anchors", "document_starts", "documents", "sample_anchors", "slot_weights",
-           "verifier_targets"]
+           "block_inputs", "candidate_anchors", "documents", "sample_anchors", "slot_weights", "verifier_targets"]
 
 
 def documents(batch: Mapping[str, Any]) -> torch.Tensor:
@@ -137,18 +136,6 @@ def block_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, doc: torch
     ctx = (key[None, None, :] < anchors[:, :, None]) & (doc[:, None, lo:hi] == doc.gather(1, anchors)[:, :, None])
     ctx = ctx[:, :, None, :].expand(b, n, block_size, hi - lo)  # (B, N, L, K)
     return ids.reshape(b, n * block_size), pos.reshape(b, n * block_size), ctx.reshape(b, n * block_size, hi - lo)
-
-
-def document_starts(doc: torch.Tensor) -> torch.Tensor:
-    """``[B, T]``: the first position of each position's document id in its row."""
-    t = doc.shape[1]
-    out = torch.empty_like(doc, dtype=torch.long)
-    for r in range(doc.shape[0]):
-        _, inverse = torch.unique(doc[r], return_inverse=True)
-        first = torch.full((int(inverse.max()) + 1,), t, dtype=torch.long, device=doc.device)
-        first = first.scatter_reduce(0, inverse, torch.arange(t, device=doc.device), "amin")
-        out[r] = first[inverse]
-    return out
 
 
 def anchor_chunks(anchors: torch.Tensor, starts: torch.Tensor, max_anchors: int,
