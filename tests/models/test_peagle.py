@@ -97,7 +97,7 @@ EXPECTED = [[0.7432, -0.483, 0.169], [-0.7193, 0.5092, -0.2425], [-0.0019, 0.451
             [0.8071, -0.5764, 0.2814], [-1.026, 1.351, -1.5255], [-0.7498, 1.1683, -1.4567]]
 
 
-def _batch(b=2, t=14, seed=0, packed=False):
+def _batch(b=2, t=14, seed=0, packed=False, doc_len=6):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (b, t), generator=g)
     aux = torch.randn(b, t, 48, generator=g)
@@ -105,23 +105,27 @@ def _batch(b=2, t=14, seed=0, packed=False):
     mask[:, :3] = 0
     doc = None
     if packed:
-        doc = torch.zeros(b, t, dtype=torch.long)
-        doc[:, 6:] = 1
+        doc = (torch.arange(t) // doc_len).clamp(max=max(1, (t - 1) // doc_len)).expand(b, t).clone()
     return ids, aux, mask, doc
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_training_attention_equals_inference(packed):
+@pytest.mark.parametrize(("packed", "t", "sampled"), [(False, 14, False), (True, 14, False), (True, 60, False),
+                                                      (True, 60, True)])
+def test_training_attention_equals_inference(packed, t, sampled, monkeypatch):
     """Each training element (anchor a, depth d) equals vLLM's inference forward over depth-0 slots of its
-    document up to a, then d mask slots (causal): the output at the last slot."""
-    draft = tiny_peagle(num_layers=2)
-    ids, aux, mask, doc = _batch(packed=packed)
-    b, t = ids.shape
+    document up to a, then d mask slots (causal): the output at the last slot. Deeper depths run a forward per
+    run of documents, over those documents' keys only (at t=60, several per depth); COD-sampled chains too."""
+    from tiny_speculators.models.peagle import objective
     from tiny_speculators.models.ttt import positions_from_documents, valid_anchors
 
+    forwards, key_chunks = [], objective.key_chunks
+    monkeypatch.setattr(objective, "key_chunks", lambda *a: forwards.append(key_chunks(*a)) or forwards[-1])
+    draft = tiny_peagle(num_layers=2)
+    ids, aux, mask, doc = _batch(t=t, packed=packed, doc_len=6 if t < 20 else 20)
+    b = ids.shape[0]
     pos = positions_from_documents(doc) if doc is not None else torch.arange(t).expand(b, t)
     valid = valid_anchors(mask, doc, 4).reshape(4, b * t)
-    sets = all_anchors(valid)
+    sets = cod_sample(valid, 0.7, 0.3, torch.Generator().manual_seed(0)) if sampled else all_anchors(valid)
     with torch.no_grad():
         outs = rollout(draft, ids, aux, pos, doc, sets)
         checked = 0
@@ -134,7 +138,9 @@ def test_training_attention_equals_inference(packed):
                 want = draft(tokens[None], hidden[None], p[None], logits=False).hidden_states[0, -1]
                 torch.testing.assert_close(outs[d][a], want, atol=1e-5, rtol=1e-5, msg=f"anchor {a} depth {d}")
                 checked += 1
-    assert checked > 20
+    assert checked > 20 and len(forwards) == 3
+    if t == 60:
+        assert all(len(chunks) > 1 for chunks in forwards)
 
 
 def test_cod_sampling_is_nested_and_sized():

@@ -96,8 +96,8 @@ from tiny_speculators.models.attention import (
 from tiny_speculators.models.losses import DenseTargets, LossSpec, TopKTargets, chunked_step_losses
 from tiny_speculators.models.metrics import METRIC_KEYS, chain_metrics, summarize, summarize_metrics
 
-__all__ = ["METRIC_KEYS", "TTTObjective", "TTTOutput", "positions_from_documents", "positions_of", "rollout",
-           "step_counts", "summarize_metrics", "ttt_step", "valid_anchors"]
+__all__ = ["METRIC_KEYS", "TTTObjective", "TTTOutput", "document_starts", "key_chunks", "positions_from_documents",
+           "positions_of", "rollout", "step_counts", "summarize_metrics", "ttt_step", "valid_anchors"]
 
 
 @dataclass
@@ -114,6 +114,23 @@ def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
     start = torch.ones_like(document_ids, dtype=torch.bool)
     start[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
     return torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+
+
+def key_chunks(lo: list[int], hi: list[int], max_queries: int,
+               min_queries: int = 16) -> list[tuple[slice, tuple[int, int]]]:
+    """Group queries ``j`` (in order) that may see keys ``lo[j] <= k < hi[j]`` into forwards: each forward's columns
+    ``slice`` and the keys ``(lo, hi)`` it scores, the union of its queries' ranges. At most ``max_queries`` columns
+    each; a new forward also begins where a query's keys start after every key the current one sees, once it holds
+    ``min_queries`` columns (in a packed row: a forward per document, each scoring its own document's keys)."""
+    chunks, first, c_lo, c_hi = [], 0, lo[0], hi[0]
+    for j in range(1, len(lo)):
+        if j - first == max_queries or (j - first >= min_queries and lo[j] >= c_hi):
+            chunks.append((slice(first, j), (c_lo, c_hi)))
+            first, c_lo, c_hi = j, lo[j], hi[j]
+        else:
+            c_lo, c_hi = min(c_lo, lo[j]), max(c_hi, hi[j])
+    chunks.append((slice(first, len(lo)), (c_lo, c_hi)))
+    return chunks
 
 
 def positions_from_documents(document_ids: torch.Tensor) -> torch.Tensor:

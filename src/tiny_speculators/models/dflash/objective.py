@@ -37,7 +37,7 @@ from tiny_speculators.models.losses import (
     dpace_weights,
     rowwise_losses,
 )
-from tiny_speculators.models.ttt import document_starts, positions_of
+from tiny_speculators.models.ttt import document_starts, key_chunks, positions_of
 
 KEEP = "_dflash_anchors"  # batch key: (anchors [B, N], valid [B, N]) set by loss_counts
 METRIC_KEYS = ("loss_sum", "wloss_sum", "count", "correct", "cond_correct", "cond_count")
@@ -145,17 +145,8 @@ def anchor_chunks(anchors: torch.Tensor, starts: torch.Tensor, max_anchors: int,
     :func:`document_starts`). At most ``max_anchors`` columns each; a new forward also begins where a document
     starts after every key the current one sees, once it holds ``min_anchors`` columns (a packed row's blocks then
     score their own document's keys, not the whole row's)."""
-    lo = starts.gather(1, anchors).amin(dim=0).tolist()
-    hi = anchors.amax(dim=0).tolist()
-    chunks, first, c_lo, c_hi = [], 0, lo[0], hi[0]
-    for j in range(1, anchors.shape[1]):
-        if j - first == max_anchors or (j - first >= min_anchors and lo[j] >= c_hi):
-            chunks.append((slice(first, j), (c_lo, c_hi)))
-            first, c_lo, c_hi = j, lo[j], hi[j]
-        else:
-            c_lo, c_hi = min(c_lo, lo[j]), max(c_hi, hi[j])
-    chunks.append((slice(first, anchors.shape[1]), (c_lo, c_hi)))
-    return chunks
+    return key_chunks(starts.gather(1, anchors).amin(dim=0).tolist(), anchors.amax(dim=0).tolist(), max_anchors,
+                      min_anchors)
 
 
 def block_hidden(draft: DFlashDraft, batch: Mapping[str, Any], anchors: torch.Tensor, anchor_chunk: int,

@@ -35,7 +35,7 @@ from tiny_speculators.models.family import StepOutput
 from tiny_speculators.models.losses import DenseTargets, LossSpec, TopKTargets, chunked_step_losses
 from tiny_speculators.models.metrics import METRIC_KEYS, chain_metrics, summarize
 from tiny_speculators.models.peagle.model import PEagleDraft
-from tiny_speculators.models.ttt import positions_of, valid_anchors
+from tiny_speculators.models.ttt import document_starts, key_chunks, positions_of, valid_anchors
 
 KEEP = "_peagle_keep"  # batch key: the sampled anchors per depth (flat indices), set by loss_counts
 
@@ -65,12 +65,14 @@ def all_anchors(valid: torch.Tensor) -> list[torch.Tensor]:
     return sets
 
 
-def depth_mask(anchors: torch.Tensor, chains: list[torch.Tensor], group: torch.Tensor) -> torch.Tensor:
-    """bool ``[1, 1, n, N + sum(len(chains))]``: queries at ``anchors`` see depth-0 keys of their group (row and
-    document) at anchors ``<=`` theirs, and their own element in each of ``chains`` (depths 1..d, sorted sets)."""
-    n0 = group.numel()
-    keys = torch.arange(n0, device=anchors.device)
-    depth0 = (group[keys][None, :] == group[anchors][:, None]) & (keys[None, :] <= anchors[:, None])  # (n, N)
+def depth_mask(anchors: torch.Tensor, chains: list[torch.Tensor], group: torch.Tensor,
+               keys: tuple[int, int] | None = None) -> torch.Tensor:
+    """bool ``[1, 1, n, K + sum(len(chains))]``: queries at ``anchors`` see depth-0 keys of their group (row and
+    document) at anchors ``<=`` theirs, among the keys ``lo <= k < hi`` (default: all ``N``), and their own element
+    in each of ``chains`` (depths 1..d, sorted sets, each holding every one of ``anchors``)."""
+    lo, hi = keys if keys is not None else (0, group.numel())
+    key = torch.arange(lo, hi, device=anchors.device)
+    depth0 = (group[key][None, :] == group[anchors][:, None]) & (key[None, :] <= anchors[:, None])  # (n, K)
     own = []
     rows = torch.arange(anchors.numel(), device=anchors.device)
     for chain in chains:
@@ -95,30 +97,62 @@ def rollout(draft: PEagleDraft, input_ids: torch.Tensor, aux_hidden_states: torc
     outs = [out0.reshape(n, -1)]
     if len(sets) == 1:
         return outs
-    # deeper depths on the flattened batch: depth-0 keys of every row, then each depth's chain keys
-    flat = [KVCache() for _ in draft.layers]
-    for cache, c in zip(flat, caches, strict=True):
-        flat_kv = [x.transpose(0, 1).reshape(1, x.shape[1], n, x.shape[-1]) for x in (c.k, c.v)]  # (1, Hkv, N, D)
-        cache.append(*flat_kv)
+    # deeper depths on the flattened batch: per layer, the keys/values of depth 0 (every row), then of each depth
+    kv = [[tuple(x.transpose(0, 1).reshape(1, x.shape[1], n, x.shape[-1]) for x in (c.k, c.v))]  # (1, Hkv, N, D)
+          for c in caches]
     group = torch.arange(b, device=input_ids.device)[:, None].expand(b, t) * (t + 1)
     if document_ids is not None:
         group = group + document_ids
     group = group.reshape(n)
+    starts = document_starts(group[None])[0]
     positions = position_ids.reshape(n)
     mask_state = draft.mask_state()  # (H,)
     for d in range(1, len(sets)):
         anchors = sets[d]
         hidden = outs[0].new_zeros(n, outs[0].shape[-1])
         if anchors.numel():
-            m = depth_mask(anchors, sets[1:d + 1], group)
-            ids = torch.full((1, anchors.numel()), draft.mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
-            out = draft(ids, mask_state.expand(1, anchors.numel(), -1), (positions[anchors] + d)[None],
-                        attention_mask=m, caches=flat, logits=False).hidden_states[0]  # (n_d, H)
+            out, new_kv = _depth_forward(draft, mask_state, anchors, sets[1:d], kv, group, starts,
+                                         positions[anchors] + d)
             hidden = hidden.index_put((anchors,), out)
+            for layer, (k, v) in zip(kv, new_kv, strict=True):
+                layer.append((k, v))
         else:  # keep mask_hidden in the graph (DDP/FSDP expect every parameter to take part)
             hidden = hidden + 0.0 * mask_state.sum()
+            for layer in kv:
+                layer.append(tuple(x[:, :, :0] for x in layer[0]))
         outs.append(hidden)
     return outs
+
+
+def _depth_forward(draft: PEagleDraft, mask_state: torch.Tensor, anchors: torch.Tensor, chains: list[torch.Tensor],
+                   kv: list[list[tuple[torch.Tensor, torch.Tensor]]], group: torch.Tensor, starts: torch.Tensor,
+                   positions: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The mask slots at ``anchors`` (one depth): outputs ``[n, H]`` and each layer's new keys/values. A forward per
+    document run (:func:`key_chunks`), each over the depth-0 keys of its documents up to its last anchor and its
+    chains' elements of the shallower depths (``chains``), not over every key of the flattened batch."""
+    outs, new = [], [([], []) for _ in kv]
+    for columns, (lo, hi) in key_chunks(starts[anchors].tolist(), (anchors + 1).tolist(), anchors.numel()):
+        a = anchors[columns]
+        spans = [slice(int(torch.searchsorted(c, a[0])), int(torch.searchsorted(c, a[-1])) + 1) for c in chains]
+        caches = [_keys_of(layer, (lo, hi), spans) for layer in kv]
+        m = depth_mask(a, [c[s] for c, s in zip(chains, spans, strict=True)] + [a], group, keys=(lo, hi))
+        ids = torch.full((1, a.numel()), draft.mask_token_id, dtype=torch.long, device=a.device)
+        outs.append(draft(ids, mask_state.expand(1, a.numel(), -1), positions[columns][None], attention_mask=m,
+                          caches=caches, logits=False).hidden_states[0])  # (n_chunk, H)
+        for (ks, vs), cache in zip(new, caches, strict=True):
+            ks.append(cache.k[:, :, -a.numel():])
+            vs.append(cache.v[:, :, -a.numel():])
+    return torch.cat(outs), [(torch.cat(ks, dim=2), torch.cat(vs, dim=2)) for ks, vs in new]
+
+
+def _keys_of(layer: list[tuple[torch.Tensor, torch.Tensor]], keys: tuple[int, int], spans: list[slice]) -> KVCache:
+    """A cache of one layer's depth-0 keys/values ``lo:hi`` and each deeper depth's ``spans``, in that order."""
+    (k0, v0), *deeper = layer
+    lo, hi = keys
+    cache = KVCache()
+    cache.append(torch.cat([k0[:, :, lo:hi], *(k[:, :, s] for (k, _), s in zip(deeper, spans, strict=True))], dim=2),
+                 torch.cat([v0[:, :, lo:hi], *(v[:, :, s] for (_, v), s in zip(deeper, spans, strict=True))], dim=2))
+    return cache
 
 
 class PEagleObjective(nn.Module):
