@@ -9,7 +9,9 @@ Coordinates (as in EAGLE-3's ``ttt.py``): the element (anchor ``a``, depth ``d``
 
 Attention: an element sees the depth-0 elements of its document at anchors ``<= a`` and its own chain's
 depths ``1..d`` (what causal attention over vLLM's cache gives at inference). Depth 0 runs batched (causal,
-or document by document when packed); deeper depths run on the flattened batch with an explicit mask.
+or document by document when packed); each deeper depth runs on the flattened batch with an explicit mask, a
+forward per run of documents over only those documents' keys (``key_chunks``: 1.37x a step over every key at
+T 2048 in 12 documents, ``benchmarks/document_keys.py``).
 
 COD sampling (training only): ``S_0`` = all anchors; ``S_d`` is a random subset of ``S_{d-1}`` (restricted to
 anchors with a target at depth d) of size ``round(n_0 * max(r**d, r_min))``, ``n_0`` the valid anchors at
