@@ -30,7 +30,7 @@ SHAPE = {"vocab_size": 49152, "hidden_size": H, "num_attention_heads": 9, "num_k
          "intermediate_size": 1536, "draft_vocab_size": DRAFT_VOCAB}
 
 
-def dflash(keys: str, anchors: int):
+def dflash(keys: str, anchors: int, seq: int):
     """(objective, num_aux) of the embedded DFlash config's shape; with ``keys == "row"``, the pre-session-30 keys."""
     from tiny_speculators.models.dflash import objective as obj
     from tiny_speculators.models.dflash.model import DFlashDraft
@@ -45,27 +45,25 @@ def dflash(keys: str, anchors: int):
     return obj.DFlashObjective(draft, None, anchors=anchors, weighting="dpace", gamma=4.0), 5
 
 
-def peagle(keys: str, anchors: int):
+def peagle(keys: str, anchors: int, seq: int):
     """(objective, num_aux) of the embedded P-EAGLE config's shape; with ``keys == "row"``, the pre-session-31 keys."""
     from tiny_speculators.models.peagle import objective as obj
     from tiny_speculators.models.peagle.model import PEagleDraft
 
     if keys == "row":  # one forward per depth over every depth-0 key of the flattened batch
-        obj.key_chunks = lambda lo, hi, max_queries, min_queries=16: [(slice(0, len(lo)), (0, ROW[0]))]
+        obj.key_chunks = lambda lo, hi, max_queries, min_queries=16: [(slice(0, len(lo)), (0, seq))]
     draft = PEagleDraft(**SHAPE, num_aux=3, num_layers=2, mask_token_id=2, num_depths=4, norm_before_residual=True)
     return obj.PEagleObjective(draft, None, depths=4, ratio=0.7, ratio_min=0.2, decay=0.7), 3
 
 
 FAMILIES = {"dflash": dflash, "peagle": peagle}
-ROW = [0]  # the flattened batch's length, for the P-EAGLE baseline's key range
 
 
 def run_one(family: str, keys: str, seq: int, docs: int, anchors: int, steps: int) -> dict:
     import torch
 
     torch.manual_seed(0)
-    ROW[0] = seq
-    module, num_aux = FAMILIES[family](keys, anchors)
+    module, num_aux = FAMILIES[family](keys, anchors, seq)
     draft = module.draft
     draft.t2d.zero_()
     draft.t2d[:DRAFT_VOCAB] = True

@@ -105,7 +105,7 @@ def _batch(b=2, t=14, seed=0, packed=False, doc_len=6):
     mask[:, :3] = 0
     doc = None
     if packed:
-        doc = (torch.arange(t) // doc_len).clamp(max=max(1, (t - 1) // doc_len)).expand(b, t).clone()
+        doc = (torch.arange(t) // doc_len).expand(b, t).clone()
     return ids, aux, mask, doc
 
 

@@ -118,10 +118,8 @@ def rollout(draft: PEagleDraft, input_ids: torch.Tensor, aux_hidden_states: torc
             hidden = hidden.index_put((anchors,), out)
             for layer, (k, v) in zip(kv, new_kv, strict=True):
                 layer.append((k, v))
-        else:  # keep mask_hidden in the graph (DDP/FSDP expect every parameter to take part)
-            hidden = hidden + 0.0 * mask_state.sum()
-            for layer in kv:
-                layer.append(tuple(x[:, :, :0] for x in layer[0]))
+        else:  # keep mask_hidden in the graph (DDP/FSDP expect every parameter to take part); the sets are nested,
+            hidden = hidden + 0.0 * mask_state.sum()  # so no deeper depth has anchors (or reads kv) either
         outs.append(hidden)
     return outs
 
