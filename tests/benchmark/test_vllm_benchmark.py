@@ -214,9 +214,9 @@ def _synthesize_through_the_running_server(url: str, tmp_path: Path) -> None:
 
 
 def _chat(url: str, temperature: float, prompts: list[str]) -> None:
-    for prompt in prompts:
+    for seed, prompt in enumerate(prompts):
         body = json.dumps({"model": "mine", "messages": [{"role": "user", "content": prompt}], "max_tokens": 32,
-                           "temperature": temperature}).encode()
+                           "temperature": temperature, "seed": seed}).encode()
         request = urllib.request.Request(url + "/v1/chat/completions", data=body,
                                          headers={"Content-Type": "application/json"})
         urllib.request.urlopen(request, timeout=120).read()
@@ -229,8 +229,10 @@ def _monitor_sees_an_induced_drop(url: str, tmp_path: Path) -> None:
     /metrics counted; the second window, judged against the first's τ less 5%, alerts. The test draft's greedy τ
     is only ~1.13 (10 of 77 drafts accepted), so the drop must be near total: at temperature 1.5 CI runs saw 0 to 7
     of ~88 sampled drafts accepted (τ 1.00 to 1.08), and both the 10% line (at most 1) and the 5% line (at most 6)
-    failed once. Each window lasts 30 s: the 3 requests of 32 tokens took ~18 s at temperature 2 (96 verifier steps)
-    in a CI run whose 15 s window counted 79 of them and failed."""
+    failed once, and at temperature 2 a CI run saw 6 of 78 (τ 1.077, the line 1.073). The requests are seeded
+    (vLLM's rejection sampler draws from each request's own generator), so the window is the same in every run: 0 of
+    93 here. Each window lasts 30 s: the 3 requests of 32 tokens took ~18 s at temperature 2 (96 verifier steps) in
+    a CI run whose 15 s window counted 79 of them and failed."""
     import threading
 
     from vllm_helpers import TRAIN_PROMPTS
