@@ -8,11 +8,13 @@ printed as ratios against a baseline measured in the same run: every forward sco
   of documents over those documents' keys (``key_chunks``, session 31) against one forward over every depth-0 key
   of the flattened batch.
 
-Both ways compute the same loss; the benchmark checks it. Each configuration runs in its own subprocess, so its
-peak resident memory is its own.
+Forwards split at document boundaries only once they hold ``--min-keys`` keys (``key_chunks``' ``min_keys``,
+512 by default since session 32; 0 splits at every document). Every way computes the same loss; the benchmark
+checks it. Each configuration runs in its own subprocess, so its peak resident memory is its own.
 
     python benchmarks/document_keys.py                              # DFlash, T=2048 in 12 documents, 16/32/64 anchors
     python benchmarks/document_keys.py --family peagle --docs 4 12 24
+    python benchmarks/document_keys.py --family peagle --seq 256 --docs 4 --min-keys 0 512
 """
 
 from __future__ import annotations
@@ -23,15 +25,16 @@ import resource
 import subprocess
 import sys
 import time
+from functools import partial
 
-KEYS = ("row", "document")  # the baseline first
 H, DRAFT_VOCAB = 576, 4096
 SHAPE = {"vocab_size": 49152, "hidden_size": H, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
          "intermediate_size": 1536, "draft_vocab_size": DRAFT_VOCAB}
 
 
 def dflash(keys: str, anchors: int, seq: int):
-    """(objective, num_aux) of the embedded DFlash config's shape; with ``keys == "row"``, the pre-session-30 keys."""
+    """(objective, num_aux) of the embedded DFlash config's shape; with ``keys == "row"``, the pre-session-30 keys,
+    else forwards of at least ``int(keys)`` keys split at document boundaries."""
     from tiny_speculators.models.dflash import objective as obj
     from tiny_speculators.models.dflash.model import DFlashDraft
 
@@ -41,17 +44,22 @@ def dflash(keys: str, anchors: int, seq: int):
             return [(slice(s, min(s + max_anchors, n)), (0, t)) for s in range(0, n, max_anchors)]
 
         obj.anchor_chunks = row_chunks
+    else:
+        obj.anchor_chunks = partial(obj.anchor_chunks, min_keys=int(keys))
     draft = DFlashDraft(**SHAPE, num_aux=5, num_layers=2, block_size=4, mask_token_id=2)
     return obj.DFlashObjective(draft, None, anchors=anchors, weighting="dpace", gamma=4.0), 5
 
 
 def peagle(keys: str, anchors: int, seq: int):
-    """(objective, num_aux) of the embedded P-EAGLE config's shape; with ``keys == "row"``, the pre-session-31 keys."""
+    """(objective, num_aux) of the embedded P-EAGLE config's shape; with ``keys == "row"``, the pre-session-31 keys,
+    else forwards of at least ``int(keys)`` keys split at document boundaries."""
     from tiny_speculators.models.peagle import objective as obj
     from tiny_speculators.models.peagle.model import PEagleDraft
 
     if keys == "row":  # one forward per depth over every depth-0 key of the flattened batch
         obj.key_chunks = lambda lo, hi, max_queries, min_queries=16: [(slice(0, len(lo)), (0, seq))]
+    else:
+        obj.key_chunks = partial(obj.key_chunks, min_keys=int(keys))
     draft = PEagleDraft(**SHAPE, num_aux=3, num_layers=2, mask_token_id=2, num_depths=4, norm_before_residual=True)
     return obj.PEagleObjective(draft, None, depths=4, ratio=0.7, ratio_min=0.2, decay=0.7), 3
 
@@ -101,6 +109,8 @@ def main() -> None:
     ap.add_argument("--docs", type=int, nargs="+", default=[12], help="documents per packed row")
     ap.add_argument("--anchors", type=int, nargs="+", default=None,
                     help="DFlash anchors per document (default 16 32 64); P-EAGLE samples its own")
+    ap.add_argument("--min-keys", type=int, nargs="+", default=[512],
+                    help="the document-split forwards' smallest key range, each against the row baseline")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--one", nargs=3, metavar=("KEYS", "DOCS", "ANCHORS"))
     a = ap.parse_args()
@@ -110,18 +120,19 @@ def main() -> None:
         return
     anchors_list = a.anchors or ([16, 32, 64] if a.family == "dflash" else [0])
     print(f"{a.family}: T={a.seq}, {a.steps} timed steps each")
-    print(f"{'docs':>5}{'anchors/doc':>12}{'keys':>10}{'s/step':>8}{'peak RSS MB':>13}{'speed x':>9}{'loss':>10}")
+    print(f"{'docs':>5}{'anchors/doc':>12}{'keys':>14}{'s/step':>8}{'peak RSS MB':>13}{'speed x':>9}{'loss':>10}")
     for docs in a.docs:
         for anchors in anchors_list:
             base = None
-            for keys in KEYS:
+            for keys in ["row", *map(str, a.min_keys)]:  # the baseline first
                 cmd = [sys.executable, __file__, "--family", a.family, "--one", keys, str(docs), str(anchors),
                        "--seq", str(a.seq), "--steps", str(a.steps)]
                 r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
                 base = base or r
                 if abs(r["loss"] - base["loss"]) > 1e-4 * abs(base["loss"]):
                     raise SystemExit(f"the {keys} keys' loss {r['loss']} differs from the row keys' {base['loss']}")
-                print(f"{docs:>5}{anchors or '-':>12}{keys:>10}{r['step_s']:>8.2f}{r['peak_rss_mb']:>13.0f}"
+                label = keys if keys == "row" else f"docs, >={keys}"
+                print(f"{docs:>5}{anchors or '-':>12}{label:>14}{r['step_s']:>8.2f}{r['peak_rss_mb']:>13.0f}"
                       f"{base['step_s'] / r['step_s']:>9.2f}{r['loss']:>10.4f}", flush=True)
 
 

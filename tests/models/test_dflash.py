@@ -105,18 +105,22 @@ def test_training_attention_equals_inference(packed, anchor_chunk):
 
 
 def test_anchor_chunks_score_only_the_keys_their_blocks_see():
-    """Documents of 6, 5 and 5 tokens in one packed row: a forward per document once each holds ``min_anchors``,
-    else at most ``max_anchors`` columns over the keys from the first one's document start to the last anchor."""
+    """Documents of 6, 5 and 5 tokens in one packed row: a forward per document once each holds ``min_anchors``
+    and ``min_keys``, else at most ``max_anchors`` columns over the keys from the first one's document start to the
+    last anchor."""
     doc = torch.tensor([[0] * 6 + [1] * 5 + [2] * 5])
     anchors = torch.tensor([[1, 3, 7, 9, 12, 14]])
     starts = document_starts(doc)
     assert starts.tolist() == [[0] * 6 + [6] * 5 + [11] * 5]
-    assert anchor_chunks(anchors, starts, 4, min_anchors=1) == [
+    assert anchor_chunks(anchors, starts, 4, min_anchors=1, min_keys=0) == [
         (slice(0, 2), (0, 3)), (slice(2, 4), (6, 9)), (slice(4, 6), (11, 14))]
-    assert anchor_chunks(anchors, starts, 4) == [(slice(0, 4), (0, 9)), (slice(4, 6), (11, 14))]
+    assert anchor_chunks(anchors, starts, 4, min_anchors=1, min_keys=6) == [
+        (slice(0, 4), (0, 9)), (slice(4, 6), (11, 14))]  # the first document's 3 keys: the second joins
+    assert anchor_chunks(anchors, starts, 4, min_keys=0) == [(slice(0, 4), (0, 9)), (slice(4, 6), (11, 14))]
+    assert anchor_chunks(anchors, starts, 6, min_anchors=1) == [(slice(0, 6), (0, 14))]  # a short row: one forward
     # two rows: a column's keys cover both rows' anchors (row 1 pads with anchor 0, whose document starts at 0)
     two = torch.tensor([[2, 12, 14], [3, 13, 0]])
-    assert anchor_chunks(two, document_starts(doc.expand(2, -1)), 4, min_anchors=1) == [
+    assert anchor_chunks(two, document_starts(doc.expand(2, -1)), 4, min_anchors=1, min_keys=0) == [
         (slice(0, 1), (0, 3)), (slice(1, 3), (0, 14))]
 
 

@@ -116,15 +116,18 @@ def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
     return torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
 
 
-def key_chunks(lo: list[int], hi: list[int], max_queries: int,
-               min_queries: int = 16) -> list[tuple[slice, tuple[int, int]]]:
+def key_chunks(lo: list[int], hi: list[int], max_queries: int, min_queries: int = 16,
+               min_keys: int = 512) -> list[tuple[slice, tuple[int, int]]]:
     """Group queries ``j`` (in order) that may see keys ``lo[j] <= k < hi[j]`` into forwards: each forward's columns
     ``slice`` and the keys ``(lo, hi)`` it scores, the union of its queries' ranges. At most ``max_queries`` columns
     each; a new forward also begins where a query's keys start after every key the current one sees, once it holds
-    ``min_queries`` columns (in a packed row: a forward per document, each scoring its own document's keys)."""
+    ``min_queries`` columns and ``min_keys`` keys (in a packed row: a forward per run of documents, each scoring its
+    own documents' keys). Below ``min_keys`` a forward's fixed cost outweighs the keys it would skip: at T 256 in 4
+    documents a forward per document was 0.90x (P-EAGLE) and 0.70x (DFlash) one over the row, and at T 2048 in 12
+    documents forwards of at least 512 keys are as fast as one per document (``benchmarks/document_keys.py``)."""
     chunks, first, c_lo, c_hi = [], 0, lo[0], hi[0]
     for j in range(1, len(lo)):
-        if j - first == max_queries or (j - first >= min_queries and lo[j] >= c_hi):
+        if j - first == max_queries or (j - first >= min_queries and lo[j] >= c_hi and c_hi - c_lo >= min_keys):
             chunks.append((slice(first, j), (c_lo, c_hi)))
             first, c_lo, c_hi = j, lo[j], hi[j]
         else:

@@ -138,15 +138,15 @@ def block_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, doc: torch
     return ids.reshape(b, n * block_size), pos.reshape(b, n * block_size), ctx.reshape(b, n * block_size, hi - lo)
 
 
-def anchor_chunks(anchors: torch.Tensor, starts: torch.Tensor, max_anchors: int,
-                  min_anchors: int = 16) -> list[tuple[slice, tuple[int, int]]]:
+def anchor_chunks(anchors: torch.Tensor, starts: torch.Tensor, max_anchors: int, min_anchors: int = 16,
+                  min_keys: int = 512) -> list[tuple[slice, tuple[int, int]]]:
     """The forwards over ``anchors [B, N]`` (sorted per row): columns ``slice`` and the context keys ``(lo, hi)``
     they may see, every key ``k`` with ``start(a) <= k < a`` for each anchor ``a`` of the columns (``starts``:
     :func:`document_starts`). At most ``max_anchors`` columns each; a new forward also begins where a document
-    starts after every key the current one sees, once it holds ``min_anchors`` columns (a packed row's blocks then
-    score their own document's keys, not the whole row's)."""
+    starts after every key the current one sees, once it holds ``min_anchors`` columns and ``min_keys`` keys (a
+    packed row's blocks then score their own documents' keys, not the whole row's: :func:`key_chunks`)."""
     return key_chunks(starts.gather(1, anchors).amin(dim=0).tolist(), anchors.amax(dim=0).tolist(), max_anchors,
-                      min_anchors)
+                      min_anchors, min_keys)
 
 
 def block_hidden(draft: DFlashDraft, batch: Mapping[str, Any], anchors: torch.Tensor, anchor_chunk: int,
