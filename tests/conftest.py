@@ -43,6 +43,13 @@ if xdist_workers() > 1:  # each worker (and what it starts) gets its share of th
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+# Every vLLM engine the tests start (servers, extraction, producers, the helpers' engines) gets 1 GiB of KV cache,
+# not the 2-4 GiB the stages default to: three workers may each hold engines at once, and a run here once had 2.9 of
+# 23.5 GiB free when test_vllm_extract's engine asked for 4 (dev/LOG.md, session 32). The tiny models and the
+# embedded verifier's 1024-token windows need ~50 MB of it.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
 DURATIONS = Path(__file__).parent / "durations.json"  # each module's seconds on a full run here (dev/durations.py)
 
 

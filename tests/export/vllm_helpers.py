@@ -79,7 +79,8 @@ class VllmWorker:
 
     def _start(self) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-        env.update(VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # tests/conftest.py says why
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                    DO_NOT_TRACK="1", VLLM_LOGGING_LEVEL="WARNING", VLLM_ENABLE_V1_MULTIPROCESSING="0")
         with self.log_path.open("a") as log:
             log.write(f"$ {self.python} {CHECK} worker\n")
