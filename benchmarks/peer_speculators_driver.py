@@ -17,8 +17,10 @@ CPU patches (all outside speculators' maths):
 - ``epochs`` is chosen so that the run ends inside its last epoch at ``max_steps`` (counted with speculators' own
   packing sampler): 0.9.0's ``run_training`` does not stop the epoch loop at ``max_steps``, so every further epoch
   would run one more optimizer step.
-Autocast is left as speculators sets it up (``torch.autocast("cuda", float32)``, which is disabled on a machine
-without CUDA), so the maths runs in fp32.
+- Its autocast device is the accelerator's, else ``"cuda"``, which is disabled on a machine without one: the
+  trainer's ``device_type`` is ``"cpu"`` unless ``hidden_states_dtype`` is the driver's float32 (autocast off: the
+  maths runs in fp32, as before); ``--overrides '{"hidden_states_dtype": "bfloat16"}'``
+  (speculators' own default) trains under bf16 autocast with fp32 master weights, as ``--precision bf16`` does ours.
 
     python benchmarks/peer_speculators_driver.py OPTIONS.json   # written by benchmarks/peer_speculators.py
     python benchmarks/peer_speculators_driver.py parity DRAFT HS_FILE TOKENS OUT.safetensors
@@ -72,6 +74,8 @@ def main(options_path: str) -> None:
 
     def keep_trainer(*args, **kwargs):
         trainer = real_trainer(*args, **kwargs)
+        if not torch.accelerator.is_available() and trainer.config.hidden_states_dtype != torch.float32:
+            trainer.device_type = "cpu"  # CPU patch: its autocast device falls back to "cuda" (disabled)
         trainers.append(trainer)
         return trainer
 

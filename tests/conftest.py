@@ -45,8 +45,8 @@ if xdist_workers() > 1:  # each worker (and what it starts) gets its share of th
 
 # Every vLLM engine the tests start (servers, extraction, producers, the helpers' engines) gets 1 GiB of KV cache,
 # not the 2-4 GiB the stages default to: three workers may each hold engines at once, and a run here once had 2.9 of
-# 23.5 GiB free when test_vllm_extract's engine asked for 4 (dev/LOG.md, session 32). The tiny models and the
-# embedded verifier's 1024-token windows need ~50 MB of it.
+# 23.5 GiB free when test_vllm_extract's engine asked for 4 (dev/LOG.md, session 32). A 1024-token window of the
+# embedded verifier takes ~47 MB (30 layers x 3 KV heads x 64 x K and V in fp32); the tiny models' far less.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 

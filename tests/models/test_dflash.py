@@ -68,12 +68,22 @@ EXPECTED = [[0.859, -0.4205, -0.0648], [-0.5863, 0.0312, 0.5273], [-0.5902, 0.03
 
 
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("anchor_chunk", [None, 1000, 3])
-def test_training_attention_equals_inference(packed, anchor_chunk):
+@pytest.mark.parametrize("anchor_chunk", [None, 1000, 3, "documents"])
+def test_training_attention_equals_inference(packed, anchor_chunk, monkeypatch):
     """Each training block (anchor a) equals the inference forward of vLLM's DFlash proposer with the context
     = the verified positions of a's document before a, and the block [x_a, mask...] at a's positions: over the
-    whole row's keys (None) and through ``block_hidden``, whose forwards see only the keys their blocks may."""
+    whole row's keys (None) and through ``block_hidden``, whose forwards see only the keys their blocks may (with
+    "documents", a forward per document from the first anchor on: rows this short take one by default)."""
+    from functools import partial
+
+    from tiny_speculators.models.dflash import objective
     from tiny_speculators.models.ttt import positions_from_documents
+
+    forwards = []
+    if anchor_chunk == "documents":
+        split = partial(objective.anchor_chunks, min_anchors=1, min_keys=0)
+        monkeypatch.setattr(objective, "anchor_chunks", lambda *a: forwards.append(split(*a)) or forwards[-1])
+        anchor_chunk = 1000
 
     draft = tiny_dflash(num_layers=2, block_size=4)
     ids, aux, mask, doc = dflash_batch(packed=packed)
@@ -102,6 +112,8 @@ def test_training_attention_equals_inference(packed, anchor_chunk):
                 torch.testing.assert_close(hidden[r, j], want, atol=1e-5, rtol=1e-5, msg=f"row {r} anchor {a}")
                 checked += 1
     assert checked > 15
+    if packed and forwards:
+        assert len(forwards[0]) > 1  # the per-document forwards were taken
 
 
 def test_anchor_chunks_score_only_the_keys_their_blocks_see():

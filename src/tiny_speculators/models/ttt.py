@@ -123,8 +123,9 @@ def key_chunks(lo: list[int], hi: list[int], max_queries: int, min_queries: int 
     each; a new forward also begins where a query's keys start after every key the current one sees, once it holds
     ``min_queries`` columns and ``min_keys`` keys (in a packed row: a forward per run of documents, each scoring its
     own documents' keys). Below ``min_keys`` a forward's fixed cost outweighs the keys it would skip: at T 256 in 4
-    documents a forward per document was 0.90x (P-EAGLE) and 0.70x (DFlash) one over the row, and at T 2048 in 12
-    documents forwards of at least 512 keys are as fast as one per document (``benchmarks/document_keys.py``)."""
+    documents a forward per document was 0.58-0.90x (P-EAGLE) and 0.70-1.00x (DFlash) one over the row, and at T
+    2048 in 12 documents forwards of at least 512 keys are as fast as one per document, within the runs' noise
+    (``benchmarks/document_keys.py``, dev/LOG.md session 32)."""
     chunks, first, c_lo, c_hi = [], 0, lo[0], hi[0]
     for j in range(1, len(lo)):
         if j - first == max_queries or (j - first >= min_queries and lo[j] >= c_hi and c_hi - c_lo >= min_keys):
