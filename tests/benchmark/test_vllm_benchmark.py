@@ -127,8 +127,7 @@ def test_started_servers_are_gone(started_run):
 
 def test_endpoint_mode_measures_a_running_server(vllm_venv, exported_draft, smollm2_dir, tmp_path):
     spec = {"model": str(exported_draft), "num_speculative_tokens": K, "method": "eagle3"}
-    # as users serve: the monitor's induced drop (below) needs vLLM's sampled acceptance at T > 1, which differed in
-    # one process (3 of 91 draft steps accepted, against 0 of 93; the greedy window the same 10 of 77)
+    # as users serve (a separate engine process)
     with multi_process(), VllmServer(vllm_python(vllm_venv), str(smollm2_dir), log_path=tmp_path / "serve.log",
                                      max_model_len=1024, speculative_config=spec, enforce_eager=True, kv_cache_gb=2,
                                      served_model_name="mine") as server:
@@ -138,7 +137,7 @@ def test_endpoint_mode_measures_a_running_server(vllm_venv, exported_draft, smol
         after = urllib.request.urlopen(server.url + "/metrics").read().decode()
         _compare_counts_each_prompt_as_served(server.url, exported_draft, tmp_path)
         _synthesize_through_the_running_server(server.url, tmp_path)
-        _monitor_sees_an_induced_drop(server.url, tmp_path)
+        _monitor_sees_an_induced_drop(server.url, exported_draft, tmp_path)
     assert code == 0
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["mode"] == "endpoint" and results["served_model"] == "mine" and results["k"] == K
@@ -213,44 +212,48 @@ def _synthesize_through_the_running_server(url: str, tmp_path: Path) -> None:
         assert [m["role"] for m in chat["messages"]] in (["user"], ["user", "assistant", "user"])
 
 
-def _chat(url: str, temperature: float, prompts: list[str]) -> None:
-    for seed, prompt in enumerate(prompts):
-        body = json.dumps({"model": "mine", "messages": [{"role": "user", "content": prompt}], "max_tokens": 32,
-                           "temperature": temperature, "seed": seed}).encode()
-        request = urllib.request.Request(url + "/v1/chat/completions", data=body,
+def _chat(url: str, prompts: list[str], allowed_token_ids: list[int] | None = None) -> None:
+    for prompt in prompts:
+        body = {"model": "mine", "messages": [{"role": "user", "content": prompt}], "max_tokens": 32,
+                "temperature": 0.0}
+        if allowed_token_ids is not None:
+            body["allowed_token_ids"] = allowed_token_ids
+        request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         urllib.request.urlopen(request, timeout=120).read()
 
 
-def _monitor_sees_an_induced_drop(url: str, tmp_path: Path) -> None:
+def _monitor_sees_an_induced_drop(url: str, draft: Path, tmp_path: Path) -> None:
     """``monitor`` on the same server: a window of greedy traffic on prompts the test draft was trained on, then the
-    same prompts sampled at temperature 2, the API's highest (the draft proposes the greedy tokens, which sampling
-    that flat rarely picks: served τ drops; 0 of 93 accepted when this was written). Each window's counters are what
-    /metrics counted; the second window, judged against the first's τ less 5%, alerts. The test draft's greedy τ
-    is only ~1.13 (10 of 77 drafts accepted), so the drop must be near total: at temperature 1.5 CI runs saw 0 to 7
-    of ~88 sampled drafts accepted (τ 1.00 to 1.08), and both the 10% line (at most 1) and the 5% line (at most 6)
-    failed once, and at temperature 2 a CI run saw 6 of 78 (τ 1.077, the line 1.073). The requests are seeded
-    (vLLM's rejection sampler draws from each request's own generator), so the window is the same in every run: 0 of
-    93 here. Each window lasts 30 s: the 3 requests of 32 tokens took ~18 s at temperature 2 (96 verifier steps) in
-    a CI run whose 15 s window counted 79 of them and failed."""
+    same prompts with ``allowed_token_ids`` = one token outside the draft's vocabulary. vLLM masks the verifier's
+    other tokens in its rejection sampler too, so every draft token is rejected: served τ is exactly 1, on any host.
+    Each window's counters are what /metrics counted; the second window, judged against the first's τ less 5%,
+    alerts. (Sampling at temperature 2 induced the drop before: the test draft's greedy τ is only ~1.13, 10 of 77
+    drafts accepted, and the sampled window accepted 0 of 93 on one host, 6 of 78 and 9 of 71 on others, which the 5%
+    line cannot tell from the greedy window.) Each window lasts 30 s: 3 requests of 32 tokens took ~18 s in a CI run
+    whose 15 s window counted 79 of their 96 verifier steps and failed."""
     import threading
 
+    from safetensors import safe_open
     from vllm_helpers import TRAIN_PROMPTS
 
     from tiny_speculators.benchmark.monitor import ServedTauAlert, monitor
 
+    with safe_open(str(draft / "model.safetensors"), framework="pt") as f:
+        outside = (~f.get_tensor("t2d").bool()).nonzero().flatten()  # verifier tokens the draft cannot propose
+    assert len(outside) > 0, "the test draft has a draft vocabulary"
     prompts = TRAIN_PROMPTS[:3]
     windows = []
-    for temperature in (0.0, 2.0):
-        traffic = threading.Thread(target=_chat, args=(url, temperature, prompts))
+    for name, allowed in (("greedy", None), ("forced", [int(outside[-1])])):
+        traffic = threading.Thread(target=_chat, args=(url, prompts, allowed))
         before = urllib.request.urlopen(url + "/metrics").read().decode()
         traffic.start()
         expected = windows[0]["served_tau"] if windows else None
         try:
-            windows.append(monitor(url, tmp_path / f"monitor-{temperature}", expected_tau=expected, tolerance=0.05,
+            windows.append(monitor(url, tmp_path / f"monitor-{name}", expected_tau=expected, tolerance=0.05,
                                    interval=30, windows=1, min_drafts=5))
         except ServedTauAlert as alert:
-            windows.append(json.loads((tmp_path / f"monitor-{temperature}" / "summary.json").read_text()))
+            windows.append(json.loads((tmp_path / f"monitor-{name}" / "summary.json").read_text()))
             windows[-1]["raised"] = str(alert)
         outlasted = traffic.is_alive()
         traffic.join(timeout=120)
@@ -259,10 +262,10 @@ def _monitor_sees_an_induced_drop(url: str, tmp_path: Path) -> None:
         for key, name in (("drafts", "vllm:spec_decode_num_drafts"),
                           ("accepted", "vllm:spec_decode_num_accepted_tokens")):
             assert windows[-1][key] == counter(after, name) - counter(before, name)
-    good, sampled = windows
-    assert good["alerts"] == 0 and "raised" not in good and good["served_tau"] > 1
-    assert sampled["served_tau"] < 0.95 * good["served_tau"] and sampled["alerts"] == 1
-    assert sampled["raised"].startswith("served τ fell below")
+    good, forced = windows
+    assert good["alerts"] == 0 and "raised" not in good and good["served_tau"] > 1 / 0.95
+    assert forced["accepted"] == 0 and forced["served_tau"] == 1.0 and forced["alerts"] == 1
+    assert forced["raised"].startswith("served τ fell below")
 
 
 def test_rejected_draft_is_one_line(vllm_venv, exported_draft, tmp_path, capsys):
