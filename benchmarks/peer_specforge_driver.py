@@ -10,6 +10,9 @@ not importable from our package. Two code patches:
 - ``TargetHead.from_pretrained`` hard-codes bfloat16: the head is cast back to float32 to multiply the fp32
   hidden states of an fp32 run.
 
+``dflash-parity DRAFT FEATURE OUT`` (ours) writes the logits of SpecForge's own DFlash training forward on one
+stored sample at fixed anchors, for the harness's check that our importer computes the same function.
+
 ``--fp32-export`` (ours, removed before SpecForge parses the arguments) makes ``specforge export`` keep the
 trained fp32 weights instead of its hard-coded bfloat16 (a fairness check only; the default is its genuine output).
 
@@ -65,8 +68,53 @@ def patch_export_fp32() -> None:
     AutoDraftModel.from_config = classmethod(from_config)
 
 
+def dflash_parity(draft: str, feature_file: str, out: str) -> None:
+    """Logits of SpecForge's own DFlash training forward (``OnlineDFlashModel._forward_draft_blocks``, then the
+    verifier's lm_head, as its loss computes them) for every slot of blocks anchored at every ``block_size``-th
+    position of one stored sample: its anchor sampler replaced by that fixed choice, nothing else changed."""
+    from pathlib import Path
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from specforge.algorithms.common.dflash_family_model import OnlineDFlashModel
+    from specforge.modeling.auto import AutoDraftModel
+
+    model = AutoDraftModel.from_pretrained(draft, torch_dtype=torch.float32).float().eval()
+    model.config._attn_implementation = "sdpa"
+    target = json_load(Path(draft) / "config.json")["dflash_config"]
+    sample = torch.load(feature_file, weights_only=True)
+    ids, aux = sample["input_ids"].long(), sample["hidden_states"].float()  # (T,), (T, n_aux*H)
+    with safe_open(str(Path(feature_file).parents[1] / "target" / "model.safetensors"), framework="pt") as f:
+        weight = f.get_tensor("model.embed_tokens.weight").float()  # tied: the embeddings are the lm_head
+    embed = torch.nn.Embedding.from_pretrained(weight)
+    head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    head.weight.data = weight
+    wrapper = OnlineDFlashModel(draft_model=model, target_lm_head=head, target_embed_tokens=embed,
+                                mask_token_id=int(target["mask_token_id"]), block_size=model.block_size,
+                                attention_backend="sdpa")
+    size = model.block_size
+    anchors = torch.arange(1, len(ids) - size, size)  # (A,): whole blocks inside the sample
+    wrapper._sample_anchor_positions = lambda seq_len, loss_mask, device: (
+        anchors[None], torch.ones(1, len(anchors), dtype=torch.bool))
+    with torch.no_grad():
+        _, _, hidden = wrapper._forward_draft_blocks(ids[None], aux[None], torch.ones_like(ids)[None])
+        logits = head(hidden)[0]  # (A*size, V)
+    save_file({"logits": logits.float().contiguous(), "input_ids": ids.contiguous(), "aux": aux.contiguous(),
+               "anchors": anchors.contiguous()}, out)
+
+
+def json_load(path):
+    import json
+
+    return json.loads(path.read_text())
+
+
 def main(argv: list[str]) -> int:
     patch_kl_loss()
+    if argv[:1] == ["dflash-parity"]:  # dflash-parity DRAFT_HF_DIR FEATURE_FILE OUT
+        dflash_parity(*argv[1:4])
+        return 0
     patch_target_head_dtype()
     if "--fp32-export" in argv:
         argv = [a for a in argv if a != "--fp32-export"]
