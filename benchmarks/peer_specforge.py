@@ -224,34 +224,30 @@ def run_config(*, target: Path, draft_cfg: Path, vocab: Path | None, features: P
 
 
 def dflash_to_speculators(hf: Path, out: Path, verifier: str, verifier_dir: Path) -> Path:
-    """SpecForge's HF DFlash export -> the speculators DFlash format our importer (and vLLM) reads: the same
-    tensors (``fc``, ``hidden_norm``, ``layers.*``, ``norm``; no head: the verifier's lm_head, as SpecForge trains
-    it), ``aux_hidden_state_layer_ids`` = its ``target_layer_ids`` + 1, bidirectional blocks."""
+    """SpecForge's HF DFlash export -> the speculators DFlash format our importer (and vLLM) reads, its config written
+    by our own exporter's: the same tensors (``fc``, ``hidden_norm``, ``layers.*``, ``norm``; no head: the
+    verifier's lm_head, as SpecForge trains it), ``aux_hidden_state_layer_ids`` = its ``target_layer_ids`` + 1,
+    bidirectional blocks."""
     from safetensors.torch import load_file, save_file
 
+    from tiny_speculators.models.dflash.speculators import config as speculators_config
+    from tiny_speculators.models.family import ExportInfo
+
     cfg = json.loads((hf / "config.json").read_text())
-    dflash = cfg["dflash_config"]
     if any(t != "full_attention" for t in cfg.get("layer_types") or []):
         raise SystemExit(f"{hf}: sliding-window layers; the harness converts full-attention DFlash drafts only")
-    layer = {k: cfg[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
-                                 "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
-                                 "max_position_embeddings", "rope_parameters", "num_hidden_layers") if k in cfg}
-    layer.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=False, mlp_bias=False,
-                 use_sliding_window=False)
-    v = json.loads((verifier_dir / "config.json").read_text())
-    block = int(cfg["block_size"])
+    dflash, block = cfg["dflash_config"], int(cfg["block_size"])
+    kwargs = {**{k: cfg[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                                     "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+                                     "max_position_embeddings", "rope_parameters")},
+              "num_layers": int(cfg["num_hidden_layers"]), "draft_vocab_size": int(cfg["vocab_size"]),
+              "block_size": block, "mask_token_id": int(dflash["mask_token_id"]), "causal": False,
+              "aux_layer_ids": [int(i) + 1 for i in dflash["target_layer_ids"]]}
+    architectures = json.loads((verifier_dir / "config.json").read_text()).get("architectures", [])
+    info = ExportInfo(verifier_name=verifier, verifier_architectures=architectures, speculative_tokens=block - 1,
+                      dtype=torch.float32)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps({
-        "architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash", "speculators_version": "0.9.0",
-        "draft_vocab_size": int(cfg["vocab_size"]), "block_size": block,
-        "mask_token_id": int(dflash["mask_token_id"]),
-        "aux_hidden_state_layer_ids": [int(i) + 1 for i in dflash["target_layer_ids"]],
-        "sliding_window_non_causal": True, "sample_from_anchor": False, "projector_type": "dflash",
-        "tie_word_embeddings": False, "transformer_layer_config": layer,
-        "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy",
-                               "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": block - 1}],
-                               "verifier": {"name_or_path": verifier, "architectures": v.get("architectures", [])}},
-        "dtype": "float32", "torch_dtype": "float32"}, indent=1))
+    (out / "config.json").write_text(json.dumps(speculators_config(kwargs, info), indent=1))
     state = load_file(str(hf / "model.safetensors"))
     save_file({k: t.float().contiguous() for k, t in state.items() if not k.startswith("embed_tokens")},
               str(out / "model.safetensors"))
@@ -265,8 +261,11 @@ def check_dflash_parity(python: Path, hf: Path, converted: Path, feature: Path, 
     from safetensors.torch import load_file
 
     from tiny_speculators.models.importing import import_draft
+    from tiny_speculators.verifier.load import resolve_verifier
 
-    run_peer(python, ["dflash-parity", str(hf), str(feature), str(out)], out.with_suffix(".log"), threads)
+    weights = Path(resolve_verifier(VERIFIER)) / "model.safetensors"
+    run_peer(python, ["dflash-parity", str(hf), str(feature), str(weights), str(out)], out.with_suffix(".log"),
+             threads)
     peer = load_file(str(out))
     ours, _ = import_draft(converted, verifier=VERIFIER)
     ours.eval()
@@ -310,7 +309,8 @@ def main() -> None:
     ap.add_argument("--ttt-length", type=int, default=3, help="EAGLE-3")
     ap.add_argument("--num-layers", type=int, default=2, help="DFlash draft layers (our DFlash config's)")
     ap.add_argument("--block-size", type=int, default=4, help="DFlash block (our DFlash config's)")
-    ap.add_argument("--mask-token-id", type=int, default=2, help="DFlash (ours: the verifier's pad token)")
+    ap.add_argument("--mask-token-id", type=int, default=None,
+                    help="DFlash; default: our DFlash's (the verifier's pad token, else its eos)")
     ap.add_argument("--lr", type=float, default=None, help="override SpecForge's default 1e-4")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-fraction", type=float, default=0.05, help="our train stage's held-out share")
@@ -333,6 +333,12 @@ def main() -> None:
     target = target_view(verifier_dir, a.work / "target")
     stats = convert_features(a.hidden_states, verifier_dir, a.work / "features", eval_fraction=a.eval_fraction,
                              seed=a.seed, family=a.family)
+    if a.family == "dflash" and a.mask_token_id is None:
+        from types import SimpleNamespace
+
+        from tiny_speculators.models.family import mask_token_of
+
+        a.mask_token_id = mask_token_of(None, SimpleNamespace(**json.loads((verifier_dir / "config.json").read_text())))
     if a.family == "dflash":  # full vocabulary: SpecForge's DFlash has no draft vocabulary (it trains with the
         # verifier's lm_head), so ours is not passed
         vocab_path = None

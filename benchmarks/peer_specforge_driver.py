@@ -10,8 +10,8 @@ not importable from our package. Two code patches:
 - ``TargetHead.from_pretrained`` hard-codes bfloat16: the head is cast back to float32 to multiply the fp32
   hidden states of an fp32 run.
 
-``dflash-parity DRAFT FEATURE OUT`` (ours) writes the logits of SpecForge's own DFlash training forward on one
-stored sample at fixed anchors, for the harness's check that our importer computes the same function.
+``dflash-parity DRAFT FEATURE VERIFIER_WEIGHTS OUT`` (ours) writes the logits of SpecForge's own DFlash training
+forward on one stored sample at fixed anchors, for the harness's check that our importer computes the same function.
 
 ``--fp32-export`` (ours, removed before SpecForge parses the arguments) makes ``specforge export`` keep the
 trained fp32 weights instead of its hard-coded bfloat16 (a fairness check only; the default is its genuine output).
@@ -68,10 +68,11 @@ def patch_export_fp32() -> None:
     AutoDraftModel.from_config = classmethod(from_config)
 
 
-def dflash_parity(draft: str, feature_file: str, out: str) -> None:
+def dflash_parity(draft: str, feature_file: str, verifier_weights: str, out: str) -> None:
     """Logits of SpecForge's own DFlash training forward (``OnlineDFlashModel._forward_draft_blocks``, then the
     verifier's lm_head, as its loss computes them) for every slot of blocks anchored at every ``block_size``-th
     position of one stored sample: its anchor sampler replaced by that fixed choice, nothing else changed."""
+    import json
     from pathlib import Path
 
     import torch
@@ -82,10 +83,10 @@ def dflash_parity(draft: str, feature_file: str, out: str) -> None:
 
     model = AutoDraftModel.from_pretrained(draft, torch_dtype=torch.float32).float().eval()
     model.config._attn_implementation = "sdpa"
-    target = json_load(Path(draft) / "config.json")["dflash_config"]
+    target = json.loads((Path(draft) / "config.json").read_text())["dflash_config"]
     sample = torch.load(feature_file, weights_only=True)
     ids, aux = sample["input_ids"].long(), sample["hidden_states"].float()  # (T,), (T, n_aux*H)
-    with safe_open(str(Path(feature_file).parents[1] / "target" / "model.safetensors"), framework="pt") as f:
+    with safe_open(verifier_weights, framework="pt") as f:
         weight = f.get_tensor("model.embed_tokens.weight").float()  # tied: the embeddings are the lm_head
     embed = torch.nn.Embedding.from_pretrained(weight)
     head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
@@ -104,16 +105,10 @@ def dflash_parity(draft: str, feature_file: str, out: str) -> None:
                "anchors": anchors.contiguous()}, out)
 
 
-def json_load(path):
-    import json
-
-    return json.loads(path.read_text())
-
-
 def main(argv: list[str]) -> int:
     patch_kl_loss()
-    if argv[:1] == ["dflash-parity"]:  # dflash-parity DRAFT_HF_DIR FEATURE_FILE OUT
-        dflash_parity(*argv[1:4])
+    if argv[:1] == ["dflash-parity"]:  # dflash-parity DRAFT_HF_DIR FEATURE_FILE VERIFIER_WEIGHTS OUT
+        dflash_parity(*argv[1:5])
         return 0
     patch_target_head_dtype()
     if "--fp32-export" in argv:
